@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ulysses-train",
+    version="0.1.0",
+    description="Long-context fine-tuning of Hugging Face causal LMs with Ulysses sequence parallelism on DeepSpeed",
+    packages=find_packages(include=["ulysses_train", "ulysses_train.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned: bring the build that matches your accelerator (CI installs torch==2.13.0, a CPU build)
+    install_requires=["torch>=2.5", "deepspeed>=0.18", "transformers>=5.0", "accelerate>=1.0", "tqdm", "numpy",
+                      "tokenizers", "safetensors"],
+    extras_require={
+        "test": ["pytest>=8", "tensorboard"],
+        "flash": ["flash-attn"],
+    },
+)

@@ -1,0 +1,58 @@
+"""Run a function on N CPU processes with the gloo backend (what CI has), and collect each rank's return value."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepspeed: bool):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if use_deepspeed:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args, use_deepspeed: bool = False) -> list:
+    """fn(rank, world, *args) on `world` processes; returns the list of results. A failing rank fails the call."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.spawn(_worker, args=(world, _free_port(), out_dir, fn, args, use_deepspeed), nprocs=world, join=True)
+        except Exception as e:
+            errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
+            raise AssertionError("a rank failed:\n" + "\n".join(errors)) from e
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

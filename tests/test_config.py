@@ -1,0 +1,105 @@
+"""Flag parsing, DS-config reconciliation and launcher-environment parsing (no processes)."""
+
+import json
+import os
+import re
+
+import pytest
+
+from ulysses_train.config import REPO_ROOT, ConfigError, build_parser, parse_args
+from ulysses_train.ds_config import load_ds_config, resolve_ds_config
+from ulysses_train.launcher import expand_nodelist, normalise_launcher_env
+from ulysses_train.parallel import ParallelDims, validate_heads, validate_sp_size
+
+ZERO3 = os.path.join(REPO_ROOT, "ds_configs", "zero3.json")
+
+
+def _resolve(argv, raw=None, dp=2, sp=2):
+    cfg, explicit = parse_args(argv)
+    raw = raw if raw is not None else load_ds_config(ZERO3)
+    return resolve_ds_config(raw, cfg, explicit, dp, sp, hidden_size=64, use_bf16=False, random_init=True)
+
+
+def test_auto_values_come_from_flags():
+    ds = _resolve(["--micro_batch_size", "2", "--grad_accum", "3", "--max_grad_norm", "0.5"])
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 2 * 3 * 2 and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] is False and ds["sequence_parallel_size"] == 2
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+
+
+def test_json_numbers_are_used_when_flag_not_typed():
+    raw = dict(load_ds_config(ZERO3), train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    ds = _resolve([], raw)
+    assert ds["train_batch_size"] == 4 * 2 * 2
+
+
+def test_contradiction_names_both_sides():
+    raw = dict(load_ds_config(ZERO3), gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError, match=r"--grad_accum 3 contradicts gradient_accumulation_steps = 2"):
+        _resolve(["--grad_accum", "3"], raw)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        _resolve([], dict(load_ds_config(ZERO3), train_batch_size=5))
+
+
+def test_optimizer_lr_reconciled():
+    raw = dict(load_ds_config(os.path.join(REPO_ROOT, "ds_configs", "zero3_offload.json")))
+    assert _resolve(["--lr", "3e-4"], raw)["optimizer"]["params"]["lr"] == 3e-4
+    raw["optimizer"]["params"]["lr"] = 1e-4
+    with pytest.raises(ConfigError, match="--lr"):
+        _resolve(["--lr", "3e-4"], raw)
+
+
+def test_parallel_dims_and_errors_name_the_flag():
+    dims = ParallelDims(world_size=8, sp_size=4)
+    assert dims.dp_size == 2 and dims.sp_group_ranks(5) == [4, 5, 6, 7] and dims.dp_group_ranks(5) == [1, 5]
+    with pytest.raises(ConfigError, match="--sp_size 3 does not divide the world size 8"):
+        validate_sp_size(3, 8)
+    with pytest.raises(ConfigError, match="--sp_size 3 must divide the model's 8 attention heads"):
+        validate_heads(3, 8, 8)
+    with pytest.raises(ConfigError, match="--sp_size 4 and the model's 6 KV heads"):
+        validate_heads(4, 8, 6)
+    validate_heads(8, 32, 8) and None  # split is fine
+    validate_heads(4, 8, 1)  # MQA: replicate
+
+
+def test_validate_rejects_bad_flags(tmp_path):
+    cfg, _ = parse_args(["--model", "x", "--model_config", "tiny"])
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        cfg.validate()
+    cfg, _ = parse_args(["--ds_config", str(tmp_path / "missing.json")])
+    with pytest.raises(ConfigError, match="no such file"):
+        cfg.validate()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    cfg, _ = parse_args(["--ds_config", str(bad)])
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        cfg.validate()
+
+
+def test_unknown_flag_exits():
+    with pytest.raises(SystemExit):
+        parse_args(["--no_such_flag", "1"])
+
+
+def test_slurm_environment():
+    assert expand_nodelist("gpu[01-03,7],login1") == ["gpu01", "gpu02", "gpu03", "gpu7", "login1"]
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[4-5]",
+           "SLURM_JOB_ID": "1234"}
+    assert normalise_launcher_env(env) == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("3", "8", "1", "n4")
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    normalise_launcher_env(torchrun)
+    assert torchrun["RANK"] == "1"
+
+
+def test_every_flag_is_documented_in_readme():
+    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.help != "==SUPPRESS=="]
+    missing = [f for f in flags if f != "-h" and not re.search(rf"`{f}[ `]", readme)]
+    assert not missing, f"flags missing from README.md: {missing}"
+
+
+def test_ds_configs_are_valid_json():
+    for name in ("zero3.json", "zero3_offload.json", "zero2.json"):
+        json.load(open(os.path.join(REPO_ROOT, "ds_configs", name)))

@@ -1,0 +1,65 @@
+"""Bad settings fail before any work, with one message naming the flag, and a non-zero exit on *every* rank.
+
+The ranks are started here as plain processes with the launcher's variables, not through a launcher that would
+kill the survivors, so a rank left waiting in a collective would show up as a hang (the 10-minute guard below is a
+hang detector, not a speed requirement)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train_e2e import ROOT, TRAIN, _env, _port, deepspeed_launcher
+
+HANG_GUARD_S = 600
+
+
+def run_ranks(world: int, args: list) -> list[subprocess.CompletedProcess]:
+    port = str(_port())
+    procs = []
+    for rank in range(world):
+        env = _env() | dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, TRAIN, "--seq_len", "64", "--steps", "1"] + args, cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=HANG_GUARD_S)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+@pytest.fixture(scope="module")
+def three_head_config(tmp_path_factory):
+    from ulysses_train.models import PRESETS
+
+    path = tmp_path_factory.mktemp("cfg") / "three_heads.json"
+    path.write_text(json.dumps(dict(PRESETS["tiny"], num_attention_heads=3, num_key_value_heads=3, head_dim=16)))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag"])
+def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
+    conflicting = tmp_path / "ds.json"
+    conflicting.write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3}}))
+    args, expected = {
+        "sp_not_dividing_world": (["--sp_size", "3"], "--sp_size 3 does not divide the world size 2"),
+        "heads": (["--model_config", three_head_config], "--sp_size 2 must divide the model's 3 attention heads"),
+        "seq_len": (["--seq_len", "63"], "--seq_len 63 is not a multiple of --sp_size 2"),
+        "ds_contradiction": (["--ds_config", str(conflicting), "--grad_accum", "2"],
+                             "--grad_accum 2 contradicts gradient_accumulation_steps = 3"),
+        "unknown_flag": (["--sp_sise", "2"], "unrecognized arguments: --sp_sise"),
+    }[case]
+    results = run_ranks(2, args)
+    assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]
+    assert expected in results[0].stderr
+    assert "Traceback" not in results[0].stderr
+
+
+def test_error_through_deepspeed_launcher():
+    proc = subprocess.run(deepspeed_launcher(2) + [TRAIN, "--sp_size", "3"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode != 0
+    assert "--sp_size 3 does not divide the world size 2" in proc.stdout + proc.stderr

@@ -1,0 +1,140 @@
+"""Typed run configuration: every command-line flag is a field here, with its help text, and every check that can
+be made before any process group exists is made in `TrainConfig.validate`, so that bad settings fail on every rank
+the same way, before any work, with a message that names the flag to change."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+ATTN_KERNELS = ("auto", "sdpa", "flash_attn", "flash_attn_4")
+LOSS_KINDS = ("fused", "plain")
+DTYPES = ("auto", "bf16", "fp32")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ConfigError(ValueError):
+    """A setting the user must change. The message names the flag; the trainer prints it without a traceback."""
+
+
+def _f(default, help: str, choices=None, **kw):
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # ---- model ----
+    model: Optional[str] = _f(None, "Local folder or hub id of a pretrained causal LM (weights and tokenizer are "
+                                    "loaded from it). Mutually exclusive with --model_config.")
+    model_config: Optional[str] = _f(None, "Random initialisation from a preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, "
+                                           "qwen3-30b-a3b) or a config.json path. Default: tiny, when --model is not given.")
+    num_layers: Optional[int] = _f(None, "Override the number of decoder layers of --model_config (for benchmarks at "
+                                         "reduced depth).")
+    attn_kernel: str = _f("auto", "Local attention kernel run inside the Ulysses all-to-all. auto picks the fastest "
+                                  "present: flash_attn_4 > sdpa (cuDNN on Hopper) > flash_attn on GPU, sdpa on CPU.",
+                          ATTN_KERNELS)
+    # ---- parallelism ----
+    sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
+                                      "world size; the rest is data parallel. Default: the ranks on one node.")
+    # ---- data ----
+    seq_len: int = _f(1024, "Tokens per sequence (one sample). Must be a multiple of --sp_size.")
+    micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step. Default: the DS config's "
+                                               "train_micro_batch_size_per_gpu, else 1.")
+    grad_accum: Optional[int] = _f(None, "Micro-steps per optimizer step. Default: the DS config's "
+                                         "gradient_accumulation_steps, else 1.")
+    seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.")
+    # ---- optimisation ----
+    steps: int = _f(30, "Optimizer steps to run.")
+    lr: Optional[float] = _f(None, "Peak learning rate. Default: the DS config's optimizer lr, else 1e-3 for random "
+                                   "init and 1e-5 for a pretrained --model.")
+    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
+    warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: 10%% of --steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables). Default: the DS config's "
+                                              "gradient_clipping, else 1.0.")
+    dtype: str = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.", DTYPES)
+    # ---- memory levers ----
+    loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
+                            "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
+    loss_chunk_size: int = _f(4096, "Rows per chunk of the fused loss (peak loss memory ~ chunk x vocab x 4 bytes).")
+    gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
+    # ---- DeepSpeed / output ----
+    ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
+                        "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
+    output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
+    tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard.")
+    log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
+
+    def validate(self) -> None:
+        """All checks that need neither a model nor a process group."""
+        if self.model and self.model_config:
+            raise ConfigError("--model and --model_config are mutually exclusive: give one of them")
+        for name in ("seq_len", "steps", "loss_chunk_size", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{name} must be positive, got {value}")
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise ConfigError(f"--warmup_steps must be in [0, --steps={self.steps}], got {self.warmup_steps}")
+        if not os.path.isfile(self.ds_config):
+            raise ConfigError(f"--ds_config {self.ds_config}: no such file")
+        try:
+            with open(self.ds_config) as f:
+                json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--ds_config {self.ds_config} is not valid JSON: {e}") from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _str2bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py",
+        description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        kind = f.type if isinstance(f.type, type) else eval(f.type, {"Optional": Optional})  # noqa: S307
+        base = getattr(kind, "__args__", (kind,))[0]
+        kw = dict(help=f.metadata["help"], default=f.default, dest=f.name)
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        if base is bool:
+            kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
+        else:
+            kw["type"] = base
+        parser.add_argument(f"--{f.name}", **kw)
+    # launchers (deepspeed, older torch.distributed.launch) append --local_rank; the rank comes from the environment
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv=None) -> tuple[TrainConfig, set[str]]:
+    """Returns the config and the set of flags the user typed explicitly (which must then agree with the DS JSON)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    # a second parse with every default suppressed tells which flags were given explicitly
+    probe = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            probe.add_argument(*action.option_strings, dest=action.dest, type=action.type, nargs=action.nargs,
+                               const=action.const)
+    explicit = set(vars(probe.parse_known_args(argv)[0])) - {"local_rank"}
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**values), explicit

@@ -1,0 +1,225 @@
+"""The training loop, driven by the DeepSpeed engine (not HF Trainer).
+
+    deepspeed launch/train.py --ds_config ds_configs/zero3.json [flags]
+
+Every rank of an SP group receives the same whole sequence, keeps its `seq/sp` shard, and runs the model with
+Ulysses attention; the loss is normalised over the whole SP group. The true gradient of a sequence is the
+*sum* of its SP ranks' contributions; `sp_backward_scale` says how much each rank must scale its share for
+DeepSpeed's gradient averaging to produce exactly that, so gradients equal the single-process gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .attention import register_ulysses_attention, resolve_kernel
+from .config import ConfigError, TrainConfig, parse_args
+from .data import SyntheticTokens, micro_batch
+from .ds_config import load_ds_config, resolve_ds_config, resolved_lr
+from .launcher import normalise_launcher_env
+from .loss import global_token_count, install_loss_head, sp_backward_scale
+from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
+from .models import attention_heads, build_model, load_model_config
+from .parallel import SequenceParallelGroups, validate_heads, validate_sp_size
+from .sharding import shard_sequence
+
+
+class CausalLMWithSPLoss(nn.Module):
+    """One module whose forward is backbone + loss head, so the DeepSpeed engine's forward drives both."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, labels, normalizer):
+        # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
+        return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def _local_world_size() -> int:
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts.count(socket.gethostname())
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, explicit: set[str]):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        from transformers.integrations import HfDeepSpeedConfig
+
+        cfg.validate()
+        self.cfg = cfg
+        self.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
+        self.model_config.use_cache = False
+        accel = get_accelerator()
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        sp_size = cfg.sp_size or math.gcd(_local_world_size(), self.world)
+        dp_size = validate_sp_size(sp_size, self.world)
+        validate_heads(sp_size, *attention_heads(self.model_config))
+        if cfg.seq_len % sp_size:
+            raise ConfigError(f"--seq_len {cfg.seq_len} is not a multiple of --sp_size {sp_size}")
+        self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        kernel = resolve_kernel(cfg.attn_kernel, self.device.type)
+        use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        self.dtype = torch.bfloat16 if use_bf16 else torch.float32
+        random_init = cfg.model is None
+        self.ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, dp_size, sp_size,
+                                    self.model_config.hidden_size, use_bf16, random_init)
+        self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
+
+        self.tokenizer = None
+        if cfg.model:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.groups = SequenceParallelGroups(sp_size)
+        register_ulysses_attention(self.groups.sp_group, kernel)
+        # must outlive model construction: transformers reads it to build the model inside zero.Init
+        self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
+        torch.manual_seed(cfg.seed)
+        model = build_model(self.model_config, cfg.model, self.dtype)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
+        self.module = CausalLMWithSPLoss(model)
+        self.engine = self._init_engine(random_init)
+        self.backward_scale = sp_backward_scale(self.ds, sp_size)
+        self.log(f"world {self.world} = dp {dp_size} x sp {sp_size} | kernel {kernel} | dtype {self.dtype} | "
+                 f"micro {self.micro} x accum {self.accum} | seq_len {cfg.seq_len} | "
+                 f"{sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters()) / 1e6:.1f}M "
+                 f"params | {self.model_config.num_hidden_layers} layers | loss {cfg.loss} | "
+                 f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
+
+    def _init_engine(self, random_init: bool):
+        import deepspeed
+
+        cfg = self.cfg
+        optimizer = None
+        if "optimizer" not in self.ds:
+            optimizer = torch.optim.AdamW(self.module.parameters(), lr=resolved_lr(self.ds, cfg, random_init),
+                                          betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
+                                          fused=self.device.type == "cuda")
+        scheduler = None
+        if "scheduler" not in self.ds:
+            warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.steps // 10
+            factor = warmup_cosine(cfg.steps, warmup, cfg.min_lr_ratio)
+            scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
+        engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
+                                          self.module.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
+                                          config=self.ds, mpu=self.groups)
+        return engine
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def train_micro_step(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward on one (micro, seq_len) batch of whole sequences; returns (loss, valid tokens)."""
+        groups = self.groups
+        shard = {k: v.to(self.device) for k, v in
+                 shard_sequence(input_ids, groups.sp_size, groups.sp_rank).items()}
+        normalizer = global_token_count(shard["labels"], groups.sp_group)
+        loss = self.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
+        self.engine.backward(loss * self.backward_scale)
+        self.engine.step()
+        total = loss.detach().float()
+        if groups.sp_size > 1:
+            dist.all_reduce(total, group=groups.sp_group)
+        return total, normalizer
+
+    def train(self) -> list[dict]:
+        from deepspeed.accelerator import get_accelerator
+
+        cfg, accel, groups = self.cfg, get_accelerator(), self.groups
+        data = SyntheticTokens(self.model_config.vocab_size, cfg.seq_len, cfg.seed)
+        logger = MetricsLogger(cfg.output_dir, cfg.steps, self.rank == 0, cfg.tensorboard, cfg.log_every)
+        history = []
+        try:
+            for step in range(cfg.steps):
+                accel.synchronize()
+                start = time.perf_counter()
+                loss_sum = torch.zeros((), device=self.device)
+                tokens = torch.zeros((), device=self.device)
+                for micro_step in range(self.accum):
+                    batch = micro_batch(data, step, micro_step, self.accum, groups.dp_rank, groups.dp_size,
+                                        self.micro)
+                    loss, count = self.train_micro_step(batch)
+                    loss_sum += loss
+                    tokens += count
+                stats = torch.stack([loss_sum / self.accum, tokens])
+                if groups.dp_size > 1:
+                    dist.all_reduce(stats, group=groups.dp_group)
+                accel.synchronize()
+                elapsed = time.perf_counter() - start
+                record = {
+                    "step": step + 1,
+                    "loss": stats[0].item() / groups.dp_size,
+                    "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                    "num_tokens": int(stats[1].item()),
+                    "tokens_per_s": cfg.seq_len * self.micro * self.accum * groups.dp_size / elapsed,
+                    "step_time_s": elapsed,
+                    "peak_mem_gib": device_peak_gib(self.device),
+                    "lr": self.engine.get_lr()[0],
+                }
+                history.append(record)
+                logger.log(record, {"host_peak_gib": host_peak_gib()})
+        finally:
+            logger.close()
+        return history
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import warnings
+
+    # torch renamed these collectives; DeepSpeed still calls the old names once per bucket, every step
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+ is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _quiet_libraries()
+    cfg, explicit = parse_args(argv)
+    normalise_launcher_env()
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        trainer = Trainer(cfg, explicit)
+        history = trainer.train()
+        if rank == 0 and history:
+            print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
+                  f"metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
+        return 0
+    except ConfigError as e:
+        # every rank hits the same check; one message is enough, every rank exits non-zero
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BaseException:
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)  # do not wait in collectives on the other ranks: the launcher tears them down
