@@ -17,20 +17,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepspeed: bool):
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepspeed: bool, backend: str):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     try:
         if use_deepspeed:
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed.init_distributed(dist_backend=backend)
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
@@ -43,11 +45,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepsp
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, use_deepspeed: bool = False) -> list:
-    """fn(rank, world, *args) on `world` processes; returns the list of results. A failing rank fails the call."""
+def run_distributed(fn, world: int, *args, use_deepspeed: bool = False, backend: str = "gloo") -> list:
+    """fn(rank, world, *args) on `world` processes; returns the list of results. A failing rank fails the call.
+    With backend="nccl" rank r runs on cuda:r; results should be moved to the CPU by fn."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world, _free_port(), out_dir, fn, args, use_deepspeed), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, _free_port(), out_dir, fn, args, use_deepspeed, backend), nprocs=world, join=True)
         except Exception as e:
             errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
             raise AssertionError("a rank failed:\n" + "\n".join(errors)) from e

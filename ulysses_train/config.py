@@ -13,6 +13,7 @@ from typing import Optional
 
 ATTN_KERNELS = ("auto", "sdpa", "flash_attn", "flash_attn_4")
 LOSS_KINDS = ("fused", "plain")
+ATTN_RECOMPUTE = ("auto", "always", "never")
 DTYPES = ("auto", "bf16", "fp32")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +63,12 @@ class TrainConfig:
                             "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
     loss_chunk_size: int = _f(4096, "Rows per chunk of the fused loss (peak loss memory ~ chunk x vocab x 4 bytes).")
     gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
+    attn_recompute: str = _f("auto", "never: keep each layer's attention output and log-sum-exp from the forward, so "
+                                     "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
+                                     "bytes). always: plain checkpointing. auto: keep on GPU while that takes under "
+                                     "15%% of the device memory.", ATTN_RECOMPUTE)
+    offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
+                                          "prefetched back one layer ahead of the backward (GPU only).")
     # ---- DeepSpeed / output ----
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
                         "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")

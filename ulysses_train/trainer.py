@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
+from .checkpointing import HostOffload, enable_checkpointing
 from .config import ConfigError, TrainConfig, parse_args
 from .data import SyntheticTokens, micro_batch
 from .ds_config import load_ds_config, resolve_ds_config, resolved_lr
@@ -101,17 +102,37 @@ class Trainer:
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
         torch.manual_seed(cfg.seed)
         model = build_model(self.model_config, cfg.model, self.dtype)
+        self.keep_attention = self._keep_attention(sp_size)
+        self.offload = None
+        if cfg.offload_activations and self.device.type == "cuda":
+            self.offload = HostOffload()
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, self.keep_attention, self.offload)
         install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
         self.module = CausalLMWithSPLoss(model)
         self.engine = self._init_engine(random_init)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
+        self.host_offload_gib = 0.0
         self.log(f"world {self.world} = dp {dp_size} x sp {sp_size} | kernel {kernel} | dtype {self.dtype} | "
                  f"micro {self.micro} x accum {self.accum} | seq_len {cfg.seq_len} | "
                  f"{sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters()) / 1e6:.1f}M "
                  f"params | {self.model_config.num_hidden_layers} layers | loss {cfg.loss} | "
+                 f"checkpointing {cfg.gradient_checkpointing} (attention kept: {self.keep_attention}, "
+                 f"offload: {self.offload is not None}) | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
+
+    def _keep_attention(self, sp_size: int) -> bool:
+        """Whether checkpointed layers keep their attention outputs (see --attn_recompute)."""
+        mode = self.cfg.attn_recompute
+        if mode != "auto":
+            return mode == "never"
+        if self.device.type != "cuda":
+            return False
+        cfg, mc = self.cfg, self.model_config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        kept = (mc.num_hidden_layers * cfg.seq_len // sp_size * (self.cfg.micro_batch_size or 1)
+                * mc.num_attention_heads * head_dim * self.dtype.itemsize)
+        return kept < 0.15 * torch.cuda.get_device_properties(self.device).total_memory
 
     def _init_engine(self, random_init: bool):
         import deepspeed
@@ -144,6 +165,9 @@ class Trainer:
         normalizer = global_token_count(shard["labels"], groups.sp_group)
         loss = self.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
         self.engine.backward(loss * self.backward_scale)
+        if self.offload is not None:
+            self.host_offload_gib = max(self.host_offload_gib, self.offload.host_bytes / 2**30)
+            self.offload.reset()
         self.engine.step()
         total = loss.detach().float()
         if groups.sp_size > 1:
@@ -185,7 +209,7 @@ class Trainer:
                     "lr": self.engine.get_lr()[0],
                 }
                 history.append(record)
-                logger.log(record, {"host_peak_gib": host_peak_gib()})
+                logger.log(record, {"host_peak_gib": host_peak_gib(), "host_offload_gib": self.host_offload_gib})
         finally:
             logger.close()
         return history

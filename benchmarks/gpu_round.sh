@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, then run the named parts, each logging under $OUT.
+#   bash benchmarks/gpu_round.sh tests bench64 peer64 ...
+# Parts run in the order given; the table of BENCH/RESULT lines is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+M4B="--model_config qwen3-4b --ds_config ds_configs/zero3.json --lr 1e-5"
+bench() {  # bench LABEL SEQ STEPS [extra flags...]
+  local label=$1 seq=$2 steps=$3; shift 3
+  timeout ${BENCH_TIMEOUT:-400} ${LAUNCH:-python3} benchmarks/step_bench.py --json "$OUT/$label.json" --label "$label" -- \
+    $M4B --seq_len "$seq" --steps "$steps" --output_dir /tmp/run_$label "$@" > "$OUT/$label.log" 2>&1
+  echo "[$label] rc=$? $(grep -h BENCH "$OUT/$label.log")"
+}
+peer() {  # peer LABEL SEQ STEPS
+  timeout ${BENCH_TIMEOUT:-400} env CUDA_VISIBLE_DEVICES=0 LAYERS=${LAYERS:-36} python3 benchmarks/peers/trl_sft_1gpu.py "$2" "$3" \
+    > "$OUT/$1.log" 2>&1
+  echo "[$1] rc=$? $(grep -h RESULT "$OUT/$1.log")"
+}
+for part in "$@"; do
+  case $part in
+    env) nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)" ;;
+    tests) timeout 300 python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tail -n 15 | tee "$OUT/gpu_tests.log" ;;
+    *=*) eval "$part" ;;  # NAME=VALUE sets a variable for the parts after it
+    bench:*) IFS=: read -r _ label seq steps flags <<< "$part"; bench "$label" "$seq" "$steps" $flags ;;
+    peer:*) IFS=: read -r _ label seq steps <<< "$part"; peer "$label" "$seq" "$steps" ;;
+    peersp:*) IFS=: read -r _ label seq steps n <<< "$part"
+      timeout ${BENCH_TIMEOUT:-400} env LAYERS=${LAYERS:-36} torchrun --nproc_per_node "$n" benchmarks/peers/trl_sft_sp.py \
+        "$seq" "$steps" > "$OUT/$label.log" 2>&1; echo "[$label] rc=$? $(grep -h RESULT "$OUT/$label.log")" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done 2>&1 | tee "$OUT/summary.log"

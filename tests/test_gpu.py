@@ -1,0 +1,116 @@
+"""GPU checks (marked gpu, skipped without CUDA): the kernels, the levers and SP over NCCL.
+
+Tolerances: fp32 runs compare at 1e-5 as on CPU (TF32 is off for these checks); bf16 runs compare the sharded bf16
+result with the unsharded bf16 result of the same kernel (same per-head arithmetic: tight, 2e-2 absolute on O(1)
+values covers kernel tiling differences across sequence lengths) and with an fp32 reference at ~1e-2 relative norm
+(bf16 has 8 mantissa bits)."""
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_attention_equivalence import reference
+
+pytestmark = pytest.mark.gpu
+B, S, D = 1, 4096, 128
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash_attn", "flash_attn_4"])
+def test_kernel_bf16_matches_fp32_reference(kernel):
+    from ulysses_train.attention import UlyssesAttention, kernel_available
+
+    if not kernel_available(kernel):
+        pytest.skip(f"{kernel} not installed")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", generator=g) for h in (32, 8, 8))
+    ref = reference(q.double(), k.double(), v.double())
+    out, _ = UlyssesAttention(None, kernel)(None, *(t.bfloat16() for t in (q, k, v)), None, scaling=D ** -0.5)
+    assert _rel(out, ref) < 1e-2
+
+
+def test_offload_and_kept_attention_are_exact_on_gpu():
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+    from ulysses_train.attention import register_ulysses_attention
+    from ulysses_train.checkpointing import HostOffload, enable_checkpointing
+    from ulysses_train.loss import global_token_count, install_loss_head
+    from ulysses_train.sharding import shard_sequence
+    from ulysses_train.trainer import CausalLMWithSPLoss
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    register_ulysses_attention(None, "sdpa")
+    ids = torch.randint(3, 96, (1, 2048), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, keep, offload in (("plain", False, False), ("keep", True, False), ("offload", False, True),
+                                ("both", True, True)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="ulysses").cuda().train()
+        hooks = HostOffload(min_bytes=0) if offload else None
+        enable_checkpointing(model, keep, hooks)
+        install_loss_head(model)
+        batch = {k: v.cuda() for k, v in shard_sequence(ids, 1, 0).items()}
+        loss = CausalLMWithSPLoss(model)(batch["input_ids"], batch["position_ids"], batch["labels"],
+                                         global_token_count(batch["labels"], None))
+        loss.backward()
+        if offload:
+            assert hooks.host_bytes > 0  # the layer inputs really went to the host
+        results[name] = (loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()})
+    base_loss, base_grads = results.pop("plain")
+    for name, (loss, grads) in results.items():
+        assert loss == base_loss, name
+        for n, g in grads.items():
+            torch.testing.assert_close(g, base_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {n}: {m}")
+
+
+def _nccl_attention(rank, world, dtype_name, seed):
+    import torch.distributed as dist
+
+    from ulysses_train.attention import UlyssesAttention
+
+    dtype = getattr(torch, dtype_name)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, D, generator=g).to("cuda", dtype) for h in (32, 8, 8))
+    grad_out = torch.randn(B, S, 32, D, generator=g).to("cuda", dtype)
+    local, cut = S // world, slice(rank * S // world, (rank + 1) * S // world)
+    ql, kl, vl = (t[:, :, cut].clone().requires_grad_() for t in (q, k, v))
+    out, _ = UlyssesAttention(group, "sdpa")(None, ql, kl, vl, None, scaling=D ** -0.5)
+    out.backward(grad_out[:, cut])
+    return {n: t.detach().float().cpu() for n, t in (("out", out), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_sp2_attention_over_nccl(dtype_name):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from ulysses_train.attention import UlyssesAttention
+
+    results = run_distributed(_nccl_attention, 2, dtype_name, 7, backend="nccl")
+    single = _nccl_single(dtype_name, 7)
+    for name, dim in (("out", 1), ("dq", 2), ("dk", 2), ("dv", 2)):
+        got = torch.cat([r[name] for r in results], dim=dim)
+        if dtype_name == "float32":
+            torch.testing.assert_close(got, single[name], rtol=1e-5, atol=1e-5)
+        else:
+            assert _rel(got, single[name]) < 1e-2, name
+    del UlyssesAttention
+
+
+def _nccl_single(dtype_name, seed):
+    """The same inputs on one GPU, whole sequence, same kernel and dtype."""
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, D, generator=g).to("cuda", dtype).requires_grad_() for h in (32, 8, 8))
+    grad_out = torch.randn(B, S, 32, D, generator=g).to("cuda", dtype)
+    from ulysses_train.attention import UlyssesAttention
+
+    out, _ = UlyssesAttention(None, "sdpa")(None, q, k, v, None, scaling=D ** -0.5)
+    out.backward(grad_out)
+    return {n: t.detach().float().cpu() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
