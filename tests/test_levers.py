@@ -23,7 +23,7 @@ class CountAttention(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(rank, world, keep_attention, loss_kind, checkpoint):
+def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -41,6 +41,10 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint):
     if checkpoint:
         enable_checkpointing(model, keep_attention, offload=None)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
+    if tiled:
+        from ulysses_train.tiled_mlp import enable_tiled_mlp
+
+        assert enable_tiled_mlp(model, tile_tokens=5) == model.config.num_hidden_layers  # uneven last tile
     ids = torch.randint(3, 96, (1, SEQ), generator=torch.Generator().manual_seed(1))
     shard = shard_sequence(ids, world, rank)
     counter = CountAttention()
@@ -67,9 +71,10 @@ def test_levers_do_not_change_loss_or_gradients(sp):
     base_loss, base_grads, base_calls = _run(sp, False, "plain", False)  # no checkpointing, plain loss
     layers = tiny_config("qwen3").num_hidden_layers
     assert base_calls == layers
-    for keep, loss_kind, expected_calls in ((False, "plain", 2 * layers), (True, "plain", layers),
-                                            (True, "fused", layers), (False, "fused", 2 * layers)):
-        loss, grads, calls = _run(sp, keep, loss_kind, True)
+    for keep, loss_kind, tiled, expected_calls in ((False, "plain", False, 2 * layers),
+                                                   (True, "plain", False, layers), (True, "fused", False, layers),
+                                                   (False, "fused", True, 2 * layers), (True, "fused", True, layers)):
+        loss, grads, calls = _run(sp, keep, loss_kind, True, tiled)
         assert calls == expected_calls, (keep, loss_kind)  # recompute re-runs the kernel unless outputs are kept
         assert loss == pytest.approx(base_loss, rel=1e-6)
         for name, ref in base_grads.items():

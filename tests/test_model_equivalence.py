@@ -26,7 +26,7 @@ def _reference(family, seed, loss_kind):
     return model.state_dict(), ids, out.loss.item(), grads
 
 
-def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True):
+def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, tiled=False):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
@@ -50,6 +50,10 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True):
             if rank == 0:
                 param.data.copy_(state[name])
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=7)  # odd chunk: partial chunks get tested
+    if tiled:  # ZeRO-3 must wait for the last tile before reducing an MLP weight's gradient
+        from ulysses_train.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model, tile_tokens=6)
     wrapped = CausalLMWithSPLoss(model)
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=torch.optim.AdamW(wrapped.parameters(), lr=0.0),
                                       config=ds, mpu=groups)
@@ -63,18 +67,19 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True):
     return total.item(), grads
 
 
-@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter", [
-    ("qwen3", 2, "fused", 3, True),
-    ("qwen3", 4, "fused", 3, True),
-    ("qwen3", 2, "plain", 3, True),
-    ("llama", 2, "fused", 3, True),
-    ("qwen3", 2, "fused", 3, False),  # DeepSpeed averages differently on each of these three reduction paths
-    ("llama", 2, "fused", 2, True),
+@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter,tiled", [
+    ("qwen3", 2, "fused", 3, True, True),
+    ("qwen3", 4, "fused", 3, True, False),
+    ("qwen3", 2, "plain", 3, True, False),
+    ("llama", 2, "fused", 3, True, False),
+    ("qwen3", 2, "fused", 3, False, False),  # DeepSpeed averages differently on each of these three reduction paths
+    ("llama", 2, "fused", 2, True, False),
 ])
-def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter):
+def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter, tiled):
     seed = 17 * sp + len(family) + stage
     _, _, ref_loss, ref_grads = _reference(family, seed, loss_kind)
-    results = run_distributed(_sharded, sp, family, seed, loss_kind, stage, reduce_scatter, use_deepspeed=True)
+    results = run_distributed(_sharded, sp, family, seed, loss_kind, stage, reduce_scatter, tiled,
+                              use_deepspeed=True)
     for loss, grads in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert grads.keys() == ref_grads.keys()

@@ -14,6 +14,8 @@ from typing import Optional
 ATTN_KERNELS = ("auto", "sdpa", "flash_attn", "flash_attn_4")
 LOSS_KINDS = ("fused", "plain")
 ATTN_RECOMPUTE = ("auto", "always", "never")
+ROPE_SCALINGS = ("none", "yarn")
+TILED_MLP = ("auto", "on", "off")
 DTYPES = ("auto", "bf16", "fp32")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +69,18 @@ class TrainConfig:
                                      "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
                                      "bytes). always: plain checkpointing. auto: keep on GPU while that takes under "
                                      "15%% of the device memory.", ATTN_RECOMPUTE)
+    tiled_mlp: str = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, recomputed per tile in "
+                                "backward, so its seq x intermediate tensors never exist whole. auto: on when one "
+                                "such tensor would exceed 2 GiB.", TILED_MLP)
+    mlp_tile_tokens: int = _f(16384, "Tokens per MLP tile (per rank).")
+    rope_scaling: str = _f("none", "yarn: YaRN rescaling of rotary positions for sequences past the model's "
+                                   "pretrained length; rope_theta and that length are read from the model config.",
+                           ROPE_SCALINGS)
+    rope_factor: Optional[float] = _f(None, "YaRN factor. Default: --seq_len / the model's pretrained length.")
+    rope_theta: Optional[float] = _f(None, "Only as a check: must equal the model's rope_theta (it is read from "
+                                           "the model config).")
+    rope_original_max_positions: Optional[int] = _f(None, "Only as a check: must equal the model's pretrained "
+                                                          "length (read from the model config).")
     offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
                                           "prefetched back one layer ahead of the backward (GPU only).")
     # ---- DeepSpeed / output ----
@@ -80,7 +94,7 @@ class TrainConfig:
         """All checks that need neither a model nor a process group."""
         if self.model and self.model_config:
             raise ConfigError("--model and --model_config are mutually exclusive: give one of them")
-        for name in ("seq_len", "steps", "loss_chunk_size", "log_every"):
+        for name in ("seq_len", "steps", "loss_chunk_size", "log_every", "mlp_tile_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers"):

@@ -23,6 +23,8 @@ import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
+from .rope import configure_rope
+from .tiled_mlp import enable_tiled_mlp, should_tile
 from .config import ConfigError, TrainConfig, parse_args
 from .data import SyntheticTokens, micro_batch
 from .ds_config import load_ds_config, resolve_ds_config, resolved_lr
@@ -72,6 +74,8 @@ class Trainer:
         self.cfg = cfg
         self.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
         self.model_config.use_cache = False
+        self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
+                                   cfg.rope_original_max_positions)
         accel = get_accelerator()
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -109,6 +113,9 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_checkpointing(model, self.keep_attention, self.offload)
         install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
+        intermediate = getattr(self.model_config, "intermediate_size", 0)
+        self.tiled_mlp = should_tile(cfg.tiled_mlp, cfg.seq_len // sp_size * (self.cfg.micro_batch_size or 1),
+                                     intermediate, self.dtype.itemsize) and enable_tiled_mlp(model, cfg.mlp_tile_tokens)
         self.module = CausalLMWithSPLoss(model)
         self.engine = self._init_engine(random_init)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
@@ -118,7 +125,7 @@ class Trainer:
                  f"{sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters()) / 1e6:.1f}M "
                  f"params | {self.model_config.num_hidden_layers} layers | loss {cfg.loss} | "
                  f"checkpointing {cfg.gradient_checkpointing} (attention kept: {self.keep_attention}, "
-                 f"offload: {self.offload is not None}) | "
+                 f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
 
     def _keep_attention(self, sp_size: int) -> bool:
