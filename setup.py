@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned: bring the build that matches your accelerator (CI installs torch==2.13.0, a CPU build)
     install_requires=["torch>=2.5", "deepspeed>=0.18", "transformers>=5.0", "accelerate>=1.0", "tqdm", "numpy",
-                      "tokenizers", "safetensors"],
+                      "tokenizers", "safetensors", "datasets>=3.0"],
     extras_require={
         "test": ["pytest>=8", "tensorboard"],
         "flash": ["flash-attn"],

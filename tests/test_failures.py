@@ -40,8 +40,13 @@ def three_head_config(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag"])
+@pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag",
+                                  "dataset_too_short", "missing_column"])
 def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("short text")
+    (tmp_path / "rows.jsonl").write_text('{"body": "x"}\n')
+    data = ["--tokenizer", "bytes", "--data_cache_dir", str(tmp_path / "cache")]
     conflicting = tmp_path / "ds.json"
     conflicting.write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3}}))
     args, expected = {
@@ -51,6 +56,9 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
         "ds_contradiction": (["--ds_config", str(conflicting), "--grad_accum", "2"],
                              "--grad_accum 2 contradicts gradient_accumulation_steps = 3"),
         "unknown_flag": (["--sp_sise", "2"], "unrecognized arguments: --sp_sise"),
+        "dataset_too_short": (["--dataset", str(tmp_path / "books")] + data,
+                              "the dataset has 11 tokens, fewer than one sample of --seq_len 64"),
+        "missing_column": (["--dataset", str(tmp_path / "rows.jsonl")] + data, "no 'text' column"),
     }[case]
     results = run_ranks(2, args)
     assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]

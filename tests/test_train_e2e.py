@@ -106,3 +106,19 @@ def test_local_model_folder(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids, labels=ids).loss.item()
     assert metrics(tmp_path / "out")[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_text_folder_with_packing_under_sp2_and_cache_hit(tmp_path):
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"book{i}.txt").write_text(" ".join(["chapter", str(i), "the cat sat on the mat."] * 400))
+    args = ["--dataset", str(books), "--tokenizer", "bytes", "--seq_len", "2048", "--sp_size", "2", "--packing",
+            "--data_cache_dir", str(tmp_path / "cache")]
+    first = run(deepspeed_launcher(2), args, tmp_path / "first")
+    assert "cache written, packing True" in first.stdout
+    second = run(deepspeed_launcher(2), args, tmp_path / "second")
+    assert "cache hit, packing True" in second.stdout
+    a, b = metrics(tmp_path / "first"), metrics(tmp_path / "second")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # same data, same order
+    assert a[-1]["loss"] < a[0]["loss"]

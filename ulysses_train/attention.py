@@ -31,9 +31,26 @@ ATTN_NAME = "ulysses"
 
 # ---------------------------------------------------------------- local kernels
 # Each takes q (b, hq, s, d), k/v (b, hkv, s, d) for the full sequence and returns (b, s, hq, d), causal.
+# `docs`, when packing, gives per batch row the lengths of its documents (summing to s): attention is causal inside
+# each document and never crosses one.
 
 
-def _sdpa(q, k, v, scale: float) -> torch.Tensor:
+def _per_document(kernel, q, k, v, scale, docs):
+    """Runs a dense causal kernel on each document separately (exact; efficient for book-length documents)."""
+    rows = []
+    for b, lengths in enumerate(docs):
+        pieces, start = [], 0
+        for n in lengths:
+            cut = slice(start, start + n)
+            pieces.append(kernel(q[b:b + 1, :, cut], k[b:b + 1, :, cut], v[b:b + 1, :, cut], scale, None))
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def _sdpa(q, k, v, scale: float, docs=None) -> torch.Tensor:
+    if docs is not None:
+        return _per_document(_sdpa, q, k, v, scale, docs)
     if k.shape[1] != q.shape[1]:
         # expand rather than enable_gqa: cuDNN, PyTorch's fastest SDPA backend on Hopper, takes equal head counts
         rep = q.shape[1] // k.shape[1]
@@ -41,16 +58,25 @@ def _sdpa(q, k, v, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
 
 
-def _flash_attn(q, k, v, scale: float) -> torch.Tensor:
-    from flash_attn import flash_attn_func  # FA2 (and FA3's compatible interface)
+def _flash_attn(q, k, v, scale: float, docs=None) -> torch.Tensor:
+    from flash_attn import flash_attn_func, flash_attn_varlen_func  # FA2 (and FA3's compatible interface)
 
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d), the layout FlashAttention takes
-    return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    if docs is None:
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    lengths = torch.tensor([n for row in docs for n in row], device=q.device, dtype=torch.int32)
+    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    b, s = q.shape[:2]
+    out = flash_attn_varlen_func(*(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)), cu, cu,
+                                 int(lengths.max()), int(lengths.max()), softmax_scale=scale, causal=True)
+    return out.reshape(b, s, *out.shape[1:])
 
 
-def _flash_attn_4(q, k, v, scale: float) -> torch.Tensor:
+def _flash_attn_4(q, k, v, scale: float, docs=None) -> torch.Tensor:
     from flash_attn.cute import flash_attn_func  # FlashAttention-4 (package flash-attn-4)
 
+    if docs is not None:
+        return _per_document(_flash_attn_4, q, k, v, scale, docs)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
     return out[0] if isinstance(out, tuple) else out
@@ -101,6 +127,9 @@ class UlyssesAttention:
         self.sp = group_size(sp_group)
         self.kernel_name = kernel
         self.kernel = KERNELS[kernel]
+        # packed documents of the current batch, global (whole-sequence) lengths per row; None: one causal sequence.
+        # Set by the caller before the forward and kept until the next batch (checkpoint recompute reads it again).
+        self.doc_lengths: Optional[list[list[int]]] = None
 
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
                  scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
@@ -117,7 +146,7 @@ class UlyssesAttention:
             key, value = (t.repeat_interleave(sp // kv_heads, dim=1) for t in (key, value))
         # (b, h, s/sp, d) -> (b, h/sp, s, d)
         q, k, v = (all_to_all(t, self.sp_group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-        out = self.kernel(q, k, v, scale)  # (b, s, h/sp, d)
+        out = self.kernel(q, k, v, scale, self.doc_lengths)  # (b, s, h/sp, d)
         # (b, s, h/sp, d) -> (b, s/sp, h, d)
         return all_to_all(out, self.sp_group, scatter_dim=1, gather_dim=2), None
 

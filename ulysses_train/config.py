@@ -44,6 +44,24 @@ class TrainConfig:
     sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
                                       "world size; the rest is data parallel. Default: the ranks on one node.")
     # ---- data ----
+    dataset: Optional[str] = _f(None, "Training text: a hub id (datasets.load_dataset) or a local file/folder of .txt "
+                                      "(one file = one document), .jsonl/.json, .parquet, .arrow, or a save_to_disk "
+                                      "folder. Default: generated tokens (the embedded default).")
+    dataset_split: str = _f("train", "Split of --dataset.")
+    text_column: Optional[str] = _f(None, "Column holding the text. Default: 'text'.")
+    streaming: bool = _f(False, "Stream a hub dataset instead of downloading it whole (with --max_tokens).")
+    max_tokens: Optional[int] = _f(None, "Stop reading the corpus after this many tokens.")
+    tokenizer: Optional[str] = _f(None, "'bytes' (byte-level, 259 ids, offline), a tokenizer path/hub id, or by "
+                                        "default the --model's own (bytes when there is no --model).")
+    num_proc: Optional[int] = _f(None, "Processes for tokenizing (datasets.map).")
+    last_sample: str = _f("drop", "The corpus's last partial sample: drop it, or pad it (padding is not trained on).",
+                          ("drop", "pad"))
+    packing: bool = _f(False, "Keep document boundaries inside a sample: positions restart at each document and "
+                              "attention never crosses one (also under sequence parallelism).")
+    data_cache_dir: str = _f(os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"),
+                             "Where the tokenized corpus arrays are cached (keyed by the data and tokenizer).")
+    pad_to_sp: bool = _f(False, "Pad sequences to a multiple of --sp_size (padding not trained on) instead of "
+                                "failing when --seq_len is not one.")
     seq_len: int = _f(1024, "Tokens per sequence (one sample). Must be a multiple of --sp_size.")
     micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step. Default: the DS config's "
                                                "train_micro_batch_size_per_gpu, else 1.")
@@ -97,10 +115,12 @@ class TrainConfig:
         for name in ("seq_len", "steps", "loss_chunk_size", "log_every", "mlp_tile_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers"):
+        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")
+        if self.streaming and not self.dataset:
+            raise ConfigError("--streaming needs --dataset")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:

@@ -26,7 +26,7 @@ from .checkpointing import HostOffload, enable_checkpointing
 from .rope import configure_rope
 from .tiled_mlp import enable_tiled_mlp, should_tile
 from .config import ConfigError, TrainConfig, parse_args
-from .data import SyntheticTokens, micro_batch
+from .data import CorpusSource, SyntheticSource, build_batch, global_sample_index, sample_order
 from .ds_config import load_ds_config, resolve_ds_config, resolved_lr
 from .launcher import normalise_launcher_env
 from .loss import global_token_count, install_loss_head, sp_backward_scale
@@ -82,8 +82,9 @@ class Trainer:
         sp_size = cfg.sp_size or math.gcd(_local_world_size(), self.world)
         dp_size = validate_sp_size(sp_size, self.world)
         validate_heads(sp_size, *attention_heads(self.model_config))
-        if cfg.seq_len % sp_size:
-            raise ConfigError(f"--seq_len {cfg.seq_len} is not a multiple of --sp_size {sp_size}")
+        if cfg.seq_len % sp_size and not cfg.pad_to_sp:
+            raise ConfigError(f"--seq_len {cfg.seq_len} is not a multiple of --sp_size {sp_size}: change it, or "
+                              f"pass --pad_to_sp to pad each sequence (padding is not trained on)")
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -95,13 +96,9 @@ class Trainer:
                                     self.model_config.hidden_size, use_bf16, random_init)
         self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
 
-        self.tokenizer = None
-        if cfg.model:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.groups = SequenceParallelGroups(sp_size)
-        register_ulysses_attention(self.groups.sp_group, kernel)
+        self.tokenizer, self.source = self._prepare_data()
+        self.attention = register_ulysses_attention(self.groups.sp_group, kernel)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
         torch.manual_seed(cfg.seed)
@@ -127,6 +124,54 @@ class Trainer:
                  f"checkpointing {cfg.gradient_checkpointing} (attention kept: {self.keep_attention}, "
                  f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
+
+    def _prepare_data(self):
+        """Tokenizer and sample source. Rank 0 tokenizes and caches first; the others then read the cache. Rank 0's
+        outcome is broadcast, so a bad dataset stops every rank with its message instead of leaving them waiting."""
+        cfg = self.cfg
+        if not cfg.dataset:
+            tokenizer = None
+            if cfg.model:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            return tokenizer, SyntheticSource(self.model_config.vocab_size, cfg.seq_len, cfg.seed)
+        outcome = [None]
+        if self.rank == 0:
+            outcome[0] = self._try_load_corpus()
+        dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], str):
+            raise ConfigError(outcome[0])
+        result = outcome[0] if self.rank == 0 else self._try_load_corpus()
+        if isinstance(result, str):
+            raise ConfigError(result)
+        return result
+
+    def _try_load_corpus(self):
+        from .corpus import TokenSamples, build_token_store, load_corpus, load_tokenizer, pick_text_column, \
+            tokenize_corpus, _store_key
+
+        cfg = self.cfg
+        try:
+            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+            if len(tokenizer) > self.model_config.vocab_size:
+                raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the model's vocabulary is "
+                                  f"{self.model_config.vocab_size}: use a matching --tokenizer or --model_config")
+            corpus = load_corpus(cfg.dataset, cfg.dataset_split, cfg.streaming)
+            column = pick_text_column(corpus.column_names, cfg.text_column)
+            tokenized = tokenize_corpus(corpus, tokenizer, column, cfg.num_proc)
+            fingerprint = getattr(tokenized, "_fingerprint", None) or f"{cfg.dataset}:{cfg.dataset_split}:stream"
+            store = build_token_store(tokenized, tokenizer.eos_token_id, cfg.data_cache_dir,
+                                      _store_key(fingerprint, tokenizer), cfg.max_tokens)
+            if len(store.tokens) == 0:
+                raise ConfigError(f"--dataset {cfg.dataset}: no text in column {column!r} (empty dataset or column)")
+            samples = TokenSamples(store, cfg.seq_len, tokenizer.pad_token_id or 0, cfg.last_sample == "pad")
+            self.log(f"data: {len(store.tokens):,} tokens in {len(store.doc_starts):,} documents -> {len(samples):,} "
+                     f"samples of {cfg.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, packing "
+                     f"{cfg.packing})")
+            return tokenizer, CorpusSource(samples, cfg.packing)
+        except ConfigError as e:
+            return str(e)
 
     def _keep_attention(self, sp_size: int) -> bool:
         """Whether checkpointed layers keep their attention outputs (see --attn_recompute)."""
@@ -164,11 +209,27 @@ class Trainer:
         if self.rank == 0:
             print(message, flush=True)
 
-    def train_micro_step(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward on one (micro, seq_len) batch of whole sequences; returns (loss, valid tokens)."""
+    def micro_batch(self, step: int, micro_step: int) -> dict:
+        """This SP group's whole sequences for one micro-step (the same on every rank of the group)."""
+        g = self.groups
+        rows = []
+        for r in range(self.micro):
+            index = global_sample_index(step, micro_step, self.accum, g.dp_rank, g.dp_size, self.micro, r)
+            rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
+        return build_batch(rows, self.cfg.packing)
+
+    def train_micro_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward on one batch of whole sequences; returns (loss, valid tokens)."""
         groups = self.groups
+        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         shard = {k: v.to(self.device) for k, v in
-                 shard_sequence(input_ids, groups.sp_size, groups.sp_rank).items()}
+                 shard_sequence(batch["input_ids"], groups.sp_size, groups.sp_rank, labels=batch["labels"],
+                                position_ids=batch["position_ids"], pad_token_id=pad_id).items()}
+        docs = batch["docs"]
+        padded = shard["input_ids"].shape[1] * groups.sp_size - batch["input_ids"].shape[1]
+        if docs is not None and padded:
+            docs = [row + [padded] for row in docs]  # the padding added for sp is one more (ignored) piece
+        self.attention.doc_lengths = docs
         normalizer = global_token_count(shard["labels"], groups.sp_group)
         loss = self.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
         self.engine.backward(loss * self.backward_scale)
@@ -185,7 +246,6 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         cfg, accel, groups = self.cfg, get_accelerator(), self.groups
-        data = SyntheticTokens(self.model_config.vocab_size, cfg.seq_len, cfg.seed)
         logger = MetricsLogger(cfg.output_dir, cfg.steps, self.rank == 0, cfg.tensorboard, cfg.log_every)
         history = []
         try:
@@ -195,8 +255,7 @@ class Trainer:
                 loss_sum = torch.zeros((), device=self.device)
                 tokens = torch.zeros((), device=self.device)
                 for micro_step in range(self.accum):
-                    batch = micro_batch(data, step, micro_step, self.accum, groups.dp_rank, groups.dp_size,
-                                        self.micro)
+                    batch = self.micro_batch(step, micro_step)
                     loss, count = self.train_micro_step(batch)
                     loss_sum += loss
                     tokens += count
