@@ -104,6 +104,12 @@ class TrainConfig:
     # ---- DeepSpeed / output ----
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
                         "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
+    save_steps: int = _f(0, "Save a checkpoint every N optimizer steps and at the end (0: only on SIGTERM).")
+    save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints.")
+    resume: Optional[str] = _f(None, "auto: continue from the newest complete checkpoint in <output_dir> (start "
+                                     "fresh if there is none); or a checkpoint path.")
+    skip_nonfinite: bool = _f(False, "Skip an optimizer step whose loss is NaN/inf instead of stopping the run "
+                                     "(needs --grad_accum 1).")
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
     tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard.")
     log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
@@ -115,10 +121,13 @@ class TrainConfig:
         for name in ("seq_len", "steps", "loss_chunk_size", "log_every", "mlp_tile_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc"):
+        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
+                     "save_total_limit"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")
+        if self.save_steps < 0:
+            raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
         if self.lr is not None and self.lr <= 0:

@@ -26,7 +26,7 @@ def device_peak_gib(device: torch.device) -> float:
 
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, tensorboard: bool = False,
-                 log_every: int = 1):
+                 log_every: int = 1, start_step: int = 0):
         self.enabled, self.log_every = enabled, log_every
         self.bar = self.file = self.tb = None
         if not enabled:
@@ -34,8 +34,14 @@ class MetricsLogger:
         from tqdm.auto import tqdm
 
         os.makedirs(output_dir, exist_ok=True)
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "w")
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if start_step and os.path.exists(path):  # resuming: keep the steps before the checkpoint, drop later ones
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self.file = open(path, "a" if start_step else "w")
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -58,6 +64,10 @@ class MetricsLogger:
                 f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
                 f"tokens {record['num_tokens']} | {record['tokens_per_s']:.0f} tok/s | {record['step_time_s']:.2f} s"
                 f" | peak {record['peak_mem_gib']:.2f} GiB | lr {record['lr']:.2e}")
+
+    def write(self, message: str) -> None:
+        if self.enabled:
+            self.bar.write(message)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -120,3 +120,10 @@ class SequenceParallelGroups:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return self.rank
+
+    # no tensor/pipeline parallelism: DeepSpeed's checkpointing asks for these
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0

@@ -25,7 +25,9 @@ from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
 from .rope import configure_rope
 from .tiled_mlp import enable_tiled_mlp, should_tile
+from .checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
 from .config import ConfigError, TrainConfig, parse_args
+from .faults import NonFiniteError, StopFlag, any_rank, inject_at_step, inject_nan
 from .data import CorpusSource, SyntheticSource, build_batch, global_sample_index, sample_order
 from .ds_config import load_ds_config, resolve_ds_config, resolved_lr
 from .launcher import normalise_launcher_env
@@ -116,6 +118,17 @@ class Trainer:
         self.module = CausalLMWithSPLoss(model)
         self.engine = self._init_engine(random_init)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
+        if cfg.skip_nonfinite and self.accum > 1:
+            raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
+        self.start_step = 0
+        self.resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+        if self.resume_from:
+            state = load_checkpoint(self.engine, self.resume_from, self.rank)
+            if state["dp_size"] != dp_size or state["sp_size"] != sp_size:
+                raise ConfigError(f"{self.resume_from} was saved with dp {state['dp_size']} x sp {state['sp_size']}; "
+                                  f"resume with the same world size and --sp_size")
+            self.start_step = state["step"]
+            self.log(f"resumed from {self.resume_from} at step {self.start_step}")
         self.host_offload_gib = 0.0
         self.log(f"world {self.world} = dp {dp_size} x sp {sp_size} | kernel {kernel} | dtype {self.dtype} | "
                  f"micro {self.micro} x accum {self.accum} | seq_len {cfg.seq_len} | "
@@ -218,8 +231,9 @@ class Trainer:
             rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
         return build_batch(rows, self.cfg.packing)
 
-    def train_micro_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward on one batch of whole sequences; returns (loss, valid tokens)."""
+    def train_micro_step(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Forward + backward on one batch of whole sequences; returns (loss, valid tokens, skipped). A non-finite
+        loss on any rank stops every rank together (or, with --skip_nonfinite, skips the step on every rank)."""
         groups = self.groups
         pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         shard = {k: v.to(self.device) for k, v in
@@ -232,6 +246,13 @@ class Trainer:
         self.attention.doc_lengths = docs
         normalizer = global_token_count(shard["labels"], groups.sp_group)
         loss = self.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
+        if inject_nan(step):
+            loss = loss * float("nan")
+        if any_rank(not torch.isfinite(loss).item(), self.device):
+            if not self.cfg.skip_nonfinite:
+                raise NonFiniteError(f"non-finite loss at step {step}: stopping (pass --skip_nonfinite to skip such "
+                                     f"steps; lower --lr or check the data)")
+            return loss.detach(), normalizer, True
         self.engine.backward(loss * self.backward_scale)
         if self.offload is not None:
             self.host_offload_gib = max(self.host_offload_gib, self.offload.host_bytes / 2**30)
@@ -240,23 +261,35 @@ class Trainer:
         total = loss.detach().float()
         if groups.sp_size > 1:
             dist.all_reduce(total, group=groups.sp_group)
-        return total, normalizer
+        return total, normalizer, False
+
+    def save(self, step: int) -> str:
+        state = {"step": step, "data_position": step * self.accum * self.groups.dp_size * self.micro,
+                 "seed": self.cfg.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
+                 "config": self.cfg.to_dict()}
+        path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
+                               self.rank, self.cfg.save_total_limit)
+        self.log(f"saved checkpoint {path}")
+        return path
 
     def train(self) -> list[dict]:
         from deepspeed.accelerator import get_accelerator
 
         cfg, accel, groups = self.cfg, get_accelerator(), self.groups
-        logger = MetricsLogger(cfg.output_dir, cfg.steps, self.rank == 0, cfg.tensorboard, cfg.log_every)
+        logger = MetricsLogger(cfg.output_dir, cfg.steps, self.rank == 0, cfg.tensorboard, cfg.log_every,
+                               self.start_step)
+        stop = StopFlag()
         history = []
         try:
-            for step in range(cfg.steps):
+            for step in range(self.start_step + 1, cfg.steps + 1):  # 1-based: step N is the N-th optimizer step
+                inject_at_step(step, self.rank)
                 accel.synchronize()
                 start = time.perf_counter()
                 loss_sum = torch.zeros((), device=self.device)
                 tokens = torch.zeros((), device=self.device)
+                skipped = False
                 for micro_step in range(self.accum):
-                    batch = self.micro_batch(step, micro_step)
-                    loss, count = self.train_micro_step(batch)
+                    loss, count, skipped = self.train_micro_step(self.micro_batch(step - 1, micro_step), step)
                     loss_sum += loss
                     tokens += count
                 stats = torch.stack([loss_sum / self.accum, tokens])
@@ -264,10 +297,14 @@ class Trainer:
                     dist.all_reduce(stats, group=groups.dp_group)
                 accel.synchronize()
                 elapsed = time.perf_counter() - start
+                grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+                if not skipped and not math.isfinite(grad_norm) and not cfg.skip_nonfinite:
+                    raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping (pass --skip_nonfinite "
+                                         f"to continue; DeepSpeed skips bf16 updates with overflowing gradients)")
                 record = {
-                    "step": step + 1,
+                    "step": step,
                     "loss": stats[0].item() / groups.dp_size,
-                    "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                    "grad_norm": grad_norm,
                     "num_tokens": int(stats[1].item()),
                     "tokens_per_s": cfg.seq_len * self.micro * self.accum * groups.dp_size / elapsed,
                     "step_time_s": elapsed,
@@ -275,7 +312,18 @@ class Trainer:
                     "lr": self.engine.get_lr()[0],
                 }
                 history.append(record)
-                logger.log(record, {"host_peak_gib": host_peak_gib(), "host_offload_gib": self.host_offload_gib})
+                logger.log(record, {"host_peak_gib": host_peak_gib(), "host_offload_gib": self.host_offload_gib,
+                                    "skipped": skipped})
+                if skipped:
+                    logger.write(f"step {step}: non-finite loss, step skipped (--skip_nonfinite)")
+                if cfg.save_steps and (step % cfg.save_steps == 0 or step == cfg.steps):
+                    self.save(step)
+                if stop.agreed(self.device):
+                    if not (cfg.save_steps and step % cfg.save_steps == 0):
+                        self.save(step)
+                    logger.write(f"{stop.signal_name or 'SIGTERM'} received: saved step {step}, exiting; "
+                                 f"relaunch with --resume auto to continue")
+                    break
         finally:
             logger.close()
         return history
@@ -301,7 +349,7 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, explicit)
         history = trainer.train()
         if rank == 0 and history:
-            print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
+            print(f"done: {history[-1]['step']} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
                   f"metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
         return 0
     except ConfigError as e:
@@ -309,6 +357,10 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except (NonFiniteError, CheckpointError) as e:  # raised on every rank together
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     except BaseException:
         print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.stderr.flush()

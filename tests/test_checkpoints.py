@@ -1,0 +1,170 @@
+"""Checkpoints and faults, through the real launchers on CPU with SP=2 and ZeRO-3.
+
+Resumed runs must be bit-identical to straight runs: same data position, RNG states, optimizer and scheduler
+state, and deterministic CPU arithmetic, so losses and final weights compare exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.test_train_e2e import ROOT, TRAIN, _env, _port, deepspeed_launcher, metrics, torchrun_launcher
+
+ARGS = ["--seq_len", "128", "--steps", "6", "--save_steps", "3", "--lr", "3e-3"]
+HANG_GUARD_S = 600
+
+
+def launch(out_dir, extra=(), fault=None, expect_rc=0):
+    env = _env() | ({"ULYSSES_TRAIN_FAULT": fault} if fault else {})
+    proc = subprocess.run(deepspeed_launcher(2) + [TRAIN] + ARGS + ["--output_dir", str(out_dir)] + list(extra),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    if expect_rc == 0:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0, "expected a failure"
+    return proc
+
+
+def weights(checkpoint):
+    """The consolidated fp32 weights of a checkpoint (the export path)."""
+    from ulysses_train.checkpoint import safe_loading
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with safe_loading():
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")
+
+
+def ckpt(out_dir, step):
+    return out_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def latest(out_dir):
+    return (out_dir / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    launch(out)
+    return out
+
+
+def assert_same_run(a, b):
+    ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == list(range(1, 7))
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    wa, wb = weights(ckpt(a, 6)), weights(ckpt(b, 6))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_hard_kill_then_resume_is_exact(straight, tmp_path):
+    out = tmp_path / "run"
+    launch(out, fault="kill:4", expect_rc=1)  # SIGKILL at the start of step 4, after step 3 was saved
+    assert latest(out) == "step_00000003" and len(metrics(out)) == 3
+    resumed = launch(out, ["--resume", "auto"])
+    assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
+    assert_same_run(straight, out)
+
+
+def test_kill_during_save_keeps_latest_on_the_previous_checkpoint(straight, tmp_path):
+    out = tmp_path / "run"
+    launch(out, fault="kill_in_save:6", expect_rc=1)
+    assert latest(out) == "step_00000003"
+    assert (out / "checkpoints" / ".tmp-step_00000006").exists() and not ckpt(out, 6).exists()
+    launch(out, ["--resume", "auto"])
+    assert latest(out) == "step_00000006" and not (out / "checkpoints" / ".tmp-step_00000006").exists()
+    assert_same_run(straight, out)
+
+
+def test_full_disk_is_reported_and_previous_checkpoint_stays_usable(straight, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, fault="enospc_in_save:6", expect_rc=3)
+    text = proc.stdout + proc.stderr
+    assert "saving checkpoint step_00000006 failed" in text and "No space left on device" in text
+    assert "step_00000003 is untouched" in text and latest(out) == "step_00000003"
+    launch(out, ["--resume", "auto"])
+    assert_same_run(straight, out)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    launch(tmp_path, ["--save_steps", "2", "--save_total_limit", "2"])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
+
+
+def test_injected_failure_on_one_rank_ends_all_ranks(tmp_path):
+    proc = launch(tmp_path, fault="raise:2:1", expect_rc=1)
+    text = proc.stdout + proc.stderr
+    assert "[rank 1] failed" in text and "injected failure on rank 1 at step 2" in text
+
+
+def test_nan_loss_stops_naming_the_step_or_is_skipped(tmp_path):
+    proc = launch(tmp_path / "stop", fault="nan:2", expect_rc=3)
+    assert "non-finite loss at step 2" in proc.stderr and "--skip_nonfinite" in proc.stderr
+    launch(tmp_path / "skip", ["--skip_nonfinite"], fault="nan:2")
+    records = metrics(tmp_path / "skip")
+    assert len(records) == 6 and [r["skipped"] for r in records] == [False, True] + [False] * 4
+    assert all(torch.isfinite(torch.tensor(list(w.values())[0])).all() for w in [weights(ckpt(tmp_path / "skip", 6))])
+
+
+def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
+    """As under SLURM: every task gets SIGTERM; the run saves, exits 0, and `--resume auto` continues."""
+    port, out = str(_port()), tmp_path / "run"
+    args = [sys.executable, TRAIN, "--seq_len", "128", "--steps", "200", "--lr", "3e-3", "--output_dir", str(out)]
+    procs = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env() | dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
+    metrics_file = out / "metrics.jsonl"
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    results = [p.communicate(timeout=HANG_GUARD_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [r[1][-2000:] for r in results]
+    stopped_at = int(latest(out).removeprefix("step_"))
+    assert "SIGTERM received" in results[0][0] + results[0][1] and stopped_at >= 2
+    total = stopped_at + 2
+    base = ["--seq_len", "128", "--steps", str(total), "--lr", "3e-3"]
+    subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(out), "--resume", "auto"],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
+    subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(tmp_path / "straight")],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
+    # the first run was launched for 200 steps, so its lr schedule differs: compare the data, not the losses
+    resumed = metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, total + 1))
+    assert [r["num_tokens"] for r in resumed] == [r["num_tokens"] for r in metrics(tmp_path / "straight")]
+
+
+def test_export_round_trip_gives_the_training_time_logits(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    from ulysses_train.export import export
+    from ulysses_train.models import load_model_config
+
+    folder = tmp_path / "base"
+    AutoModelForCausalLM.from_config(load_model_config(None, "tiny")).save_pretrained(folder)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, 512)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                            pad_token="<pad>", eos_token="<eos>", unk_token="<unk>").save_pretrained(folder)
+    logits_file = tmp_path / "logits.pt"
+    subprocess.run(torchrun_launcher(2) + [os.path.join(ROOT, "tests", "helpers", "train_then_logits.py"),
+                                           "--model", str(folder), "--steps", "2", "--save_steps", "2",
+                                           "--seq_len", "64", "--lr", "3e-3", "--output_dir", str(tmp_path / "run")],
+                   cwd=ROOT, env=_env() | {"LOGITS_OUT": str(logits_file)}, check=True, capture_output=True,
+                   timeout=HANG_GUARD_S)
+    exported = export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "<eos>"
+    ids = torch.arange(3, 3 + 64)[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    torch.testing.assert_close(logits, torch.load(logits_file), rtol=1e-5, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, logits)  # training changed the weights
