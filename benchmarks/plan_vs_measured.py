@@ -1,0 +1,22 @@
+"""Prints the planner's estimate next to every measured peak in docs/results/*.json (the table in docs/memory.md)."""
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ulysses_train.models import load_model_config  # noqa: E402
+from ulysses_train.plan import GiB, Levers, estimate, geometry  # noqa: E402
+
+print("| run | tokens | sp | layers | measured peak GiB | planner GiB | error |\n|---|---|---|---|---|---|---|")
+for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "results", "*.json"))):
+    r = json.load(open(path))
+    argv, t = r["argv"], r["seq_len"] // r["sp"]
+    config = load_model_config(None, "qwen3-4b", r["layers"])
+    levers = Levers(keep_attention=r["keep_attention"], offload_activations="--offload_activations" in argv,
+                    tiled_mlp=t * config.intermediate_size * 2 > 2 * GiB,  # what --tiled_mlp auto chose
+                    bf16_states="ds_configs/zero3_bf16_states.json" in argv)
+    est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
+    print(f"| {r['label']} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | {r['peak_gpu_gib']:.1f} | {est:.1f} | "
+          f"{100 * (est / r['peak_gpu_gib'] - 1):+.1f}% |")

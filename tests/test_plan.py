@@ -1,0 +1,49 @@
+"""The planner's arithmetic on a small config, checked against values computed by hand here."""
+
+import pytest
+
+from tests.models import tiny_config
+from ulysses_train.plan import GiB, Levers, estimate, geometry, main, plan, valid_sp_sizes
+
+
+def test_geometry_counts_the_parameters_of_the_real_model():
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("qwen3")
+    model = AutoModelForCausalLM.from_config(config)
+    assert geometry(config)["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_components_by_hand():
+    g = geometry(tiny_config("qwen3"))  # hidden 64, heads 8 x head_dim 8, kv 4, inter 128, vocab 96, 2 layers
+    n = g["params"]
+    e = estimate(g, seq_len=1024, gpus=4, sp=2, levers=Levers(keep_attention=True), loss_chunk=256)
+    t = 512
+    assert e["tokens_per_rank"] == t
+    assert e["gpu"]["checkpoints"] == 2 * t * 64 * 2
+    assert e["gpu"]["kept attention"] == 2 * t * 64 * 2
+    assert e["gpu"]["model states"] == pytest.approx(2 * n / 4 + 14 * n / 4 + 4 * g["layer_params"])
+    assert e["gpu"]["loss"] == 256 * 96 * 6 + 96 * 64 * 4 + 2 * t * 64 * 2
+    assert e["gpu"]["all-to-all buffers"] == 2 * t * (64 + 2 * max(32, 16)) * 2
+    offloaded = estimate(g, 1024, 4, 2, Levers(offload_activations=True, bf16_states=True))
+    assert offloaded["gpu"]["checkpoints"] == 0
+    assert offloaded["host"]["offloaded checkpoints"] == 4 * 2 * t * 64 * 2  # 4 ranks on the host
+    tiled = estimate(g, 1 << 20, 1, 1, Levers(tiled_mlp=True))
+    untiled = estimate(g, 1 << 20, 1, 1, Levers())
+    assert tiled["gpu"]["layer working set"] < untiled["gpu"]["layer working set"]
+
+
+def test_recommends_cheapest_levers_and_smallest_sp():
+    g = geometry(tiny_config("qwen3"))
+    sp, levers, est, _ = plan(g, 4096, 4, valid_sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
+    assert sp == 1 and levers == Levers()  # tiny: fits without any lever
+    sp, levers, est, tried = plan(g, 1 << 26, 4, valid_sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
+    assert sp is None or (est["gpu_total"] <= 0.95 * 80 * GiB)
+    assert valid_sp_sizes(g, 8) == [1, 2, 4, 8] and valid_sp_sizes(g, 6) == [1, 2]  # heads 8, kv 4
+
+
+def test_cli_says_when_nothing_fits(capsys):
+    assert main(["--model_config", "qwen3-8b", "--seq_len", str(1 << 26), "--gpus", "1"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+    assert main(["--model_config", "qwen3-4b", "--seq_len", "65536", "--gpus", "1"]) == 0
+    assert "fits with --sp_size 1" in capsys.readouterr().out

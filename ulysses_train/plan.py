@@ -1,0 +1,162 @@
+"""Memory planner: will this run fit, which levers does it need, how many GPUs?
+
+    python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ds_config F]
+
+Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
+the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
+recomputed (attention, MLP tiled or not), the loss, and the all-to-all buffers. The formulas are in docs/memory.md
+with a comparison against the peaks measured on the H200 (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+GiB = 2**30
+CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
+
+
+@dataclass
+class Levers:
+    keep_attention: bool = True
+    offload_activations: bool = False
+    tiled_mlp: bool = False
+    bf16_states: bool = False
+    offload_optimizer: bool = False
+
+    def describe(self) -> str:
+        flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
+        if self.offload_activations:
+            flags.append("--offload_activations")
+        flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
+        if self.offload_optimizer:
+            flags.append("--ds_config ds_configs/zero3_offload.json")
+        elif self.bf16_states:
+            flags.append("--ds_config ds_configs/zero3_bf16_states.json")
+        return " ".join(flags)
+
+
+def geometry(config) -> dict:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    h, i, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    qk_norm = 2 * head_dim if config.model_type.startswith("qwen3") else 0  # Qwen3 normalises q and k per head
+    layer_params = h * head_dim * (2 * heads + 2 * kv) + 3 * h * i + 2 * h + qk_norm
+    embed = v * h * (1 if config.tie_word_embeddings else 2)
+    return dict(hidden=h, inter=i, vocab=v, layers=layers, heads=heads, kv=kv, head_dim=head_dim,
+                attn_width=heads * head_dim, kv_width=kv * head_dim, layer_params=layer_params,
+                params=layers * layer_params + embed + h)
+
+
+def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
+             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2) -> dict:
+    """Bytes per GPU (and per host, for all local ranks' offloads) of each component."""
+    t = math.ceil(seq_len / sp)  # tokens per rank
+    n, b = g["params"], act_bytes
+    shard = gpus if zero_stage == 3 else 1
+    if levers.offload_optimizer:  # bf16 weights and gradients on the GPU; fp32 master + Adam + fp32 grads on the host
+        gpu_states, host_states = (2 * n) / shard + 2 * n / gpus, 16 * n / gpus
+    else:  # fp32: bf16 weight + fp32 master + fp32 Adam m, v + bf16 grad; bf16 states: 2 + 2 + 4 + 2
+        per_param = 10 if levers.bf16_states else 16
+        gpu_states, host_states = 2 * n / shard + (per_param - 2) * n / gpus, 0
+    gathered = 2 * 2 * g["layer_params"]  # a layer being used and the next one prefetched (ZeRO-3)
+    checkpoints = g["layers"] * t * g["hidden"] * b
+    kept = g["layers"] * t * g["attn_width"] * b if levers.keep_attention else 0
+    # the recomputed layer during its backward: q, expanded k and v, output, their gradients and the pre-rope copies
+    attention = 11 * t * g["attn_width"] * b
+    mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
+    mlp = 6 * mlp_rows * g["inter"] * b  # gate, up, act, product + two gradients
+    hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
+    layer = hidden_acts + max(attention, mlp)
+    loss = loss_chunk * g["vocab"] * (4 + b) + g["vocab"] * g["hidden"] * 4 + 2 * t * g["hidden"] * b
+    a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * sp)) * b if sp > 1 else 0
+    on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
+    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": kept,
+           "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
+    # the loss runs at the end of the forward, the layer working set in the backward: never both at once
+    transient = max(layer + a2a, loss)
+    gpu_total = gpu["model states"] + on_gpu_ckpt + kept + transient + CUDA_OVERHEAD
+    ranks_per_host = min(gpus, 8)
+    host = {"optimizer offload": host_states * ranks_per_host,
+            "offloaded checkpoints": (checkpoints if levers.offload_activations else 0) * ranks_per_host}
+    return {"tokens_per_rank": t, "gpu": gpu, "gpu_total": gpu_total, "host": host,
+            "host_total": sum(host.values()) + 4 * GiB * ranks_per_host}
+
+
+LEVER_LADDER = [  # cheapest first: what each costs in step time, as measured (docs/benchmarks.md)
+    Levers(),  # kept attention: fastest
+    Levers(offload_activations=True),  # free: copies overlap compute
+    Levers(offload_activations=True, tiled_mlp=True),  # one more MLP forward per layer
+    Levers(offload_activations=True, tiled_mlp=True, bf16_states=True),  # TRL's precision for optimizer states
+    Levers(keep_attention=False, offload_activations=True, tiled_mlp=True, bf16_states=True),  # ~15% slower
+    Levers(keep_attention=False, offload_activations=True, tiled_mlp=True, offload_optimizer=True),
+]
+
+
+def plan(g: dict, seq_len: int, gpus: int, sp_sizes, gpu_mem: float, host_mem: float) -> tuple:
+    tried = []
+    for sp, levers in itertools.product(sp_sizes, LEVER_LADDER):
+        est = estimate(g, seq_len, gpus, sp, levers)
+        fits = est["gpu_total"] <= 0.95 * gpu_mem and est["host_total"] <= host_mem
+        tried.append((sp, levers, est, fits))
+        if fits:
+            return sp, levers, est, tried
+    return None, None, None, tried
+
+
+def valid_sp_sizes(g: dict, gpus: int, requested=None) -> list[int]:
+    sizes = [requested] if requested else [d for d in range(1, gpus + 1) if gpus % d == 0]
+    return [s for s in sizes if g["heads"] % s == 0 and (g["kv"] % s == 0 or s % g["kv"] == 0)]
+
+
+def _table(rows) -> str:
+    return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
+
+
+def main(argv=None) -> int:
+    from .models import load_model_config
+
+    p = argparse.ArgumentParser(prog="python -m ulysses_train.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_config", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--num_layers", type=int, default=None)
+    p.add_argument("--seq_len", type=int, required=True)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--sp_size", type=int, default=None)
+    p.add_argument("--gpu_mem_gib", type=float, default=139.7, help="default: an H200")
+    p.add_argument("--host_mem_gib", type=float, default=125.0, help="per host")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
+    sizes = valid_sp_sizes(g, a.gpus, a.sp_size)
+    if not sizes:
+        print(f"error: no valid --sp_size for {a.gpus} GPUs and {g['heads']} heads / {g['kv']} KV heads")
+        return 2
+    sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB)
+    if a.json:
+        print(json.dumps({"sp_size": sp, "levers": levers and levers.describe(), "estimate": est}, default=str))
+        return 0 if sp else 1
+    print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
+    if sp is None:
+        sp_last, lev_last, worst, _ = tried[-1]
+        print(f"nothing fits: with every lever and --sp_size {sp_last}, {worst['gpu_total'] / GiB:.1f} GiB per GPU "
+              f"(limit {a.gpu_mem_gib}) and {worst['host_total'] / GiB:.1f} GiB host (limit {a.host_mem_gib}):")
+        print(_table(worst["gpu"].items()))
+        print("use more GPUs, a shorter --seq_len, or fewer layers")
+        return 1
+    print(f"fits with --sp_size {sp} {levers.describe()}  ({est['tokens_per_rank']:,} tokens per rank)")
+    print("per GPU:")
+    print(_table(list(est["gpu"].items()) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
+    print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")
+    print(_table(list(est["host"].items()) + [("total", est["host_total"])]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
