@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ulysses_train.launcher import free_port
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepspeed: bool, backend: str):
@@ -50,7 +45,7 @@ def run_distributed(fn, world: int, *args, use_deepspeed: bool = False, backend:
     With backend="nccl" rank r runs on cuda:r; results should be moved to the CPU by fn."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world, _free_port(), out_dir, fn, args, use_deepspeed, backend), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), out_dir, fn, args, use_deepspeed, backend), nprocs=world, join=True)
         except Exception as e:
             errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
             raise AssertionError("a rank failed:\n" + "\n".join(errors)) from e

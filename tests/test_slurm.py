@@ -18,9 +18,9 @@ HANG_GUARD_S = 600
 
 
 def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from ulysses_train.launcher import free_port
+
+    return free_port()
 
 
 def _ensure_installed():

@@ -38,11 +38,9 @@ def torchrun_launcher(n):
 
 
 def _port():
-    import socket
+    from ulysses_train.launcher import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def metrics(out_dir) -> list[dict]:

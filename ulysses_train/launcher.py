@@ -24,7 +24,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous on localhost)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,5 +46,5 @@ def normalise_launcher_env(environ=os.environ) -> str:
         return "srun"
     environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    environ.setdefault("MASTER_PORT", str(_free_port()))
+    environ.setdefault("MASTER_PORT", str(free_port()))
     return "single process"
