@@ -103,3 +103,16 @@ def test_every_flag_is_documented_in_readme():
 def test_ds_configs_are_valid_json():
     for name in ("zero3.json", "zero3_offload.json", "zero2.json"):
         json.load(open(os.path.join(REPO_ROOT, "ds_configs", name)))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b"])
+def test_presets_build_configs_with_the_published_shapes(preset):
+    from ulysses_train.models import attention_heads, load_model_config
+    from ulysses_train.plan import geometry
+
+    config = load_model_config(None, preset)
+    billions = {"qwen3-0.6b": 0.6, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-30b-a3b": None}.get(preset)
+    if billions:  # dense presets: parameter count as published
+        assert geometry(config)["params"] / 1e9 == pytest.approx(billions, rel=0.05)
+    q, kv = attention_heads(config)
+    assert q % kv == 0 and config.model_type in ("qwen3", "qwen3_moe")

@@ -92,7 +92,8 @@ def test_local_model_folder(tmp_path):
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"t{i}": i for i in range(3, 512)}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
                             pad_token="<pad>", eos_token="<eos>", unk_token="<unk>").save_pretrained(folder)
-    out = run(deepspeed_launcher(2), ["--model", str(folder)], tmp_path / "out")
+    out = run(deepspeed_launcher(2), ["--model", str(folder), "--tensorboard"], tmp_path / "out")
+    assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
     assert "done: 4 steps" in out.stdout and "tokenizer TokenizersBackend" in out.stdout
     # the first step's loss is the saved model's loss on the first sample: the weights were loaded, not re-drawn
     import torch
@@ -104,6 +105,11 @@ def test_local_model_folder(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids, labels=ids).loss.item()
     assert metrics(tmp_path / "out")[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_pad_to_sp_trains_an_odd_length(tmp_path):
+    run(deepspeed_launcher(2), ["--seq_len", "255", "--pad_to_sp"], tmp_path)
+    assert all(r["num_tokens"] == 254 for r in metrics(tmp_path))  # 255 tokens, 254 targets; padding ignored
 
 
 def test_text_folder_with_packing_under_sp2_and_cache_hit(tmp_path):
