@@ -61,14 +61,20 @@ def assert_same_curve(a, b):
         assert ra["num_tokens"] == rb["num_tokens"] and ra["lr"] == pytest.approx(rb["lr"])
 
 
-def test_sp2_matches_single_process_under_deepspeed_and_torchrun(tmp_path):
+def accelerate_launcher(n):
+    return ["accelerate", "launch", "--num_processes", str(n), "--num_machines", "1", "--multi_gpu",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_port())]
+
+
+def test_sp2_matches_single_process_under_deepspeed_torchrun_and_accelerate(tmp_path):
     run([sys.executable], [], tmp_path / "single")
     ds = run(deepspeed_launcher(2), [], tmp_path / "ds_sp2")  # sp_size defaults to the ranks on the node
     assert "dp 1 x sp 2" in ds.stdout
     run(torchrun_launcher(2), ["--sp_size", "2"], tmp_path / "torchrun_sp2")
+    run(accelerate_launcher(2), ["--sp_size", "2"], tmp_path / "accelerate_sp2")
     single = metrics(tmp_path / "single")
-    assert_same_curve(metrics(tmp_path / "ds_sp2"), single)
-    assert_same_curve(metrics(tmp_path / "torchrun_sp2"), single)
+    for launcher in ("ds_sp2", "torchrun_sp2", "accelerate_sp2"):
+        assert_same_curve(metrics(tmp_path / launcher), single)
     assert single[-1]["loss"] < single[0]["loss"]
 
 
