@@ -97,29 +97,18 @@ class Trainer:
         self.ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, dp_size, sp_size,
                                     self.model_config.hidden_size, use_bf16, random_init)
         self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
+        if cfg.skip_nonfinite and self.accum > 1:
+            raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
 
         self.groups = SequenceParallelGroups(sp_size)
         self.tokenizer, self.source = self._prepare_data()
         self.attention = register_ulysses_attention(self.groups.sp_group, kernel)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
-        torch.manual_seed(cfg.seed)
-        model = build_model(self.model_config, cfg.model, self.dtype)
-        self.keep_attention = self._keep_attention(sp_size)
-        self.offload = None
-        if cfg.offload_activations and self.device.type == "cuda":
-            self.offload = HostOffload()
-        if cfg.gradient_checkpointing:
-            enable_checkpointing(model, self.keep_attention, self.offload)
-        install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
-        intermediate = getattr(self.model_config, "intermediate_size", 0)
-        self.tiled_mlp = should_tile(cfg.tiled_mlp, cfg.seq_len // sp_size * (self.cfg.micro_batch_size or 1),
-                                     intermediate, self.dtype.itemsize) and enable_tiled_mlp(model, cfg.mlp_tile_tokens)
+        model = self._build_model(sp_size)
         self.module = CausalLMWithSPLoss(model)
         self.engine = self._init_engine(random_init)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
-        if cfg.skip_nonfinite and self.accum > 1:
-            raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
         self.start_step = 0
         self.resume_from = resolve_resume(cfg.resume, cfg.output_dir)
         if self.resume_from:
@@ -138,6 +127,22 @@ class Trainer:
                  f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
 
+    def _build_model(self, sp_size: int):
+        """The HF model with the levers applied: checkpointing (kept attention, offload), loss head, tiled MLP."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        model = build_model(self.model_config, cfg.model, self.dtype)
+        self.keep_attention = self._keep_attention(sp_size)
+        self.offload = HostOffload() if cfg.offload_activations and self.device.type == "cuda" else None
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(model, self.keep_attention, self.offload)
+        install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
+        local_tokens = cfg.seq_len // sp_size * self.micro
+        intermediate = getattr(self.model_config, "intermediate_size", 0)
+        self.tiled_mlp = should_tile(cfg.tiled_mlp, local_tokens, intermediate, self.dtype.itemsize) and \
+            enable_tiled_mlp(model, cfg.mlp_tile_tokens)
+        return model
+
     def _prepare_data(self):
         """Tokenizer and sample source. Rank 0 tokenizes and caches first; the others then read the cache. Rank 0's
         outcome is broadcast, so a bad dataset stops every rank with its message instead of leaving them waiting."""
@@ -149,13 +154,13 @@ class Trainer:
 
                 tokenizer = AutoTokenizer.from_pretrained(cfg.model)
             return tokenizer, SyntheticSource(self.model_config.vocab_size, cfg.seq_len, cfg.seed)
-        outcome = [None]
-        if self.rank == 0:
-            outcome[0] = self._try_load_corpus()
-        dist.broadcast_object_list(outcome, src=0)
-        if isinstance(outcome[0], str):
-            raise ConfigError(outcome[0])
-        result = outcome[0] if self.rank == 0 else self._try_load_corpus()
+        result = self._try_load_corpus() if self.rank == 0 else None
+        error = [result if isinstance(result, str) else None]  # only rank 0's error message crosses ranks
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise ConfigError(error[0])
+        if self.rank != 0:
+            result = self._try_load_corpus()  # reads what rank 0 cached
         if isinstance(result, str):
             raise ConfigError(result)
         return result
@@ -195,7 +200,7 @@ class Trainer:
             return False
         cfg, mc = self.cfg, self.model_config
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        kept = (mc.num_hidden_layers * cfg.seq_len // sp_size * (self.cfg.micro_batch_size or 1)
+        kept = (mc.num_hidden_layers * cfg.seq_len // sp_size * self.micro
                 * mc.num_attention_heads * head_dim * self.dtype.itemsize)
         return kept < 0.15 * torch.cuda.get_device_properties(self.device).total_memory
 
