@@ -3,7 +3,6 @@
 Resumed runs must be bit-identical to straight runs: same data position, RNG states, optimizer and scheduler
 state, and deterministic CPU arithmetic, so losses and final weights compare exactly."""
 
-import json
 import os
 import signal
 import subprocess

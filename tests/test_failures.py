@@ -5,7 +5,6 @@ kill the survivors, so a rank left waiting in a collective would show up as a ha
 hang detector, not a speed requirement)."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -79,7 +79,7 @@ def _nccl_attention(rank, world, dtype_name, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, S, D, generator=g).to("cuda", dtype) for h in (32, 8, 8))
     grad_out = torch.randn(B, S, 32, D, generator=g).to("cuda", dtype)
-    local, cut = S // world, slice(rank * S // world, (rank + 1) * S // world)
+    cut = slice(rank * S // world, (rank + 1) * S // world)
     ql, kl, vl = (t[:, :, cut].clone().requires_grad_() for t in (q, k, v))
     out, _ = UlyssesAttention(group, "sdpa")(None, ql, kl, vl, None, scaling=D ** -0.5)
     out.backward(grad_out[:, cut])
@@ -90,8 +90,6 @@ def _nccl_attention(rank, world, dtype_name, seed):
 def test_sp2_attention_over_nccl(dtype_name):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from ulysses_train.attention import UlyssesAttention
-
     results = run_distributed(_nccl_attention, 2, dtype_name, 7, backend="nccl")
     single = _nccl_single(dtype_name, 7)
     for name, dim in (("out", 1), ("dq", 2), ("dk", 2), ("dv", 2)):
@@ -100,7 +98,6 @@ def test_sp2_attention_over_nccl(dtype_name):
             torch.testing.assert_close(got, single[name], rtol=1e-5, atol=1e-5)
         else:
             assert _rel(got, single[name]) < 1e-2, name
-    del UlyssesAttention
 
 
 def _nccl_single(dtype_name, seed):

@@ -139,7 +139,7 @@ class UlyssesAttention:
             raise NotImplementedError("attention dropout is not supported: set the model's attention_dropout to 0")
         if attention_mask is not None:
             raise NotImplementedError("padding masks are not supported: pad at the end with labels -100 instead")
-        sp, q_heads, kv_heads = self.sp, query.shape[1], key.shape[1]
+        sp, kv_heads = self.sp, key.shape[1]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if kv_heads % sp != 0:
             # kv divides sp (checked at start-up): give each KV head to sp/kv consecutive ranks
