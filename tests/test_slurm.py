@@ -53,6 +53,14 @@ def _ensure_munge():
     return "munged (Slurm's authentication) would not start"
 
 
+def _stop_daemons(d):
+    for pid_file in ("slurmd.pid", "slurmctld.pid"):
+        try:
+            os.kill(int((d / pid_file).read_text()), 15)
+        except (OSError, ValueError):
+            pass
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     reason = _ensure_installed() or _ensure_munge()
@@ -95,6 +103,7 @@ PartitionName=ci Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscrib
     for daemon in ("slurmctld", "slurmd"):
         started = subprocess.run([daemon, "-f", str(conf)], env=env, capture_output=True, text=True)
         if started.returncode != 0:
+            _stop_daemons(d)
             log = d / f"{daemon}.log"
             pytest.skip(f"{daemon} would not start here: {started.stderr[-500:]} "
                         f"{log.read_text()[-500:] if log.exists() else ''}")
@@ -104,13 +113,10 @@ PartitionName=ci Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscrib
             break
         time.sleep(0.2)
     else:
+        _stop_daemons(d)
         pytest.skip(f"slurmd did not come up: {(d / 'slurmd.log').read_text()[-1000:]}")
     yield env
-    for pid_file in ("slurmd.pid", "slurmctld.pid"):
-        try:
-            os.kill(int((d / pid_file).read_text()), 15)
-        except (OSError, ValueError):
-            pass
+    _stop_daemons(d)
 
 
 def sbatch(env, options, script, train_args, out_dir):
