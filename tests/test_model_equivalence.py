@@ -26,7 +26,7 @@ def _reference(family, seed, loss_kind):
     return model.state_dict(), ids, out.loss.item(), grads
 
 
-def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, tiled=False):
+def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, tiled=False, dtype="float32"):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
@@ -42,9 +42,11 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
     groups = SequenceParallelGroups(world)
     register_ulysses_attention(groups.sp_group, "sdpa")
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "sequence_parallel_size": world,
-          "zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter}, "steps_per_print": 10**9}
+          "zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter}, "steps_per_print": 10**9,
+          "bf16": {"enabled": dtype == "bfloat16"}}
     hf_ds = HfDeepSpeedConfig(ds) if stage == 3 else None  # noqa: F841  (kept alive for zero.Init)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="ulysses")
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="ulysses",
+                                             dtype=getattr(torch, dtype))
     for name, param in model.named_parameters():  # the reference's weights, into the partitioned model
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if rank == 0:
@@ -57,12 +59,12 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
     wrapped = CausalLMWithSPLoss(model)
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=torch.optim.AdamW(wrapped.parameters(), lr=0.0),
                                       config=ds, mpu=groups)
-    shard = shard_sequence(ids, groups.sp_size, groups.sp_rank)
+    shard = {k: v.to(engine.device) for k, v in shard_sequence(ids, groups.sp_size, groups.sp_rank).items()}
     normalizer = global_token_count(shard["labels"], groups.sp_group)
     loss = engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
     engine.backward(loss * sp_backward_scale(ds, groups.sp_size))
-    grads = {n.removeprefix("model."): safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-    total = loss.detach().clone()
+    grads = {n.removeprefix("model."): safe_get_full_grad(p).float().cpu() for n, p in engine.module.named_parameters()}
+    total = loss.detach().float().clone()
     torch.distributed.all_reduce(total, group=groups.sp_group)
     return total.item(), grads
 
