@@ -1,9 +1,13 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# hermetic: the tests (and the trainers they launch, which inherit the environment) never share the user's
+# datasets cache, nor another test session's
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="ulysses-test-datasets-")
 
 
 def pytest_configure(config):

@@ -10,7 +10,7 @@ import torch
 from tests.distributed import run_distributed
 from tests.models import tiny_config
 from ulysses_train.config import ConfigError
-from ulysses_train.corpus import (ByteTokenizer, TokenSamples, _store_key, build_token_store, load_corpus,
+from ulysses_train.corpus import (ByteTokenizer, TokenSamples, store_key, build_token_store, load_corpus,
                                   load_tokenizer, pick_text_column, tokenize_corpus)
 from ulysses_train.data import build_batch
 from ulysses_train.sharding import IGNORE_INDEX
@@ -22,7 +22,7 @@ def _store(path, tmp_path, seq_len=None, column=None):
     tok = ByteTokenizer()
     ds = load_corpus(str(path))
     tokenized = tokenize_corpus(ds, tok, pick_text_column(ds.column_names, column), None)
-    return build_token_store(tokenized, tok.eos_token_id, str(tmp_path / "cache"), _store_key(tokenized._fingerprint, tok))
+    return build_token_store(tokenized, tok.eos_token_id, str(tmp_path / "cache"), store_key(tokenized._fingerprint, tok))
 
 
 def _expected_tokens(docs):

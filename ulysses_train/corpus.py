@@ -109,7 +109,7 @@ class TokenStore:
     cache_hit: bool = False
 
 
-def _store_key(fingerprint: str, tokenizer) -> str:
+def store_key(fingerprint: str, tokenizer) -> str:
     tok = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
     return hashlib.sha1(json.dumps([fingerprint, str(tok), len(tokenizer)]).encode()).hexdigest()[:16]
 

@@ -166,8 +166,8 @@ class Trainer:
         return result
 
     def _try_load_corpus(self):
-        from .corpus import TokenSamples, build_token_store, load_corpus, load_tokenizer, pick_text_column, \
-            tokenize_corpus, _store_key
+        from .corpus import (TokenSamples, build_token_store, load_corpus, load_tokenizer, pick_text_column, store_key,
+                             tokenize_corpus)
 
         cfg = self.cfg
         try:
@@ -180,7 +180,7 @@ class Trainer:
             tokenized = tokenize_corpus(corpus, tokenizer, column, cfg.num_proc)
             fingerprint = getattr(tokenized, "_fingerprint", None) or f"{cfg.dataset}:{cfg.dataset_split}:stream"
             store = build_token_store(tokenized, tokenizer.eos_token_id, cfg.data_cache_dir,
-                                      _store_key(fingerprint, tokenizer), cfg.max_tokens)
+                                      store_key(fingerprint, tokenizer), cfg.max_tokens)
             if len(store.tokens) == 0:
                 raise ConfigError(f"--dataset {cfg.dataset}: no text in column {column!r} (empty dataset or column)")
             samples = TokenSamples(store, cfg.seq_len, tokenizer.pad_token_id or 0, cfg.last_sample == "pad")
