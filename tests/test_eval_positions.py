@@ -1,0 +1,69 @@
+"""The per-position loss tool: its numbers are the model's own per-token losses, and SP=2 gives the same."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_train_e2e import ROOT, _env, torchrun_launcher
+
+SEQ, BUCKET = 512, 64
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.models import load_model_config
+
+    d = tmp_path_factory.mktemp("eval")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(load_model_config(None, "tiny")).save_pretrained(d / "model")
+    (d / "books").mkdir()
+    for i in range(2):
+        (d / "books" / f"{i}.txt").write_text(" ".join(f"word{j % 37} line {i}" for j in range(200)))
+    return d
+
+
+def _run(launcher, setup, out):
+    args = ["-m", "ulysses_train.eval_positions", "--model", str(setup / "model"), "--dataset", str(setup / "books"),
+            "--tokenizer", "bytes", "--seq_len", str(SEQ), "--num_samples", "2", "--bucket", str(BUCKET),
+            "--out", str(out), "--data_cache_dir", str(setup / "cache")]
+    cmd = launcher + args if launcher[0] != sys.executable else [sys.executable] + args
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "positions.csv") as f:
+        rows = list(csv.DictReader(f))
+    return proc.stdout, [float(r["mean_loss"]) for r in rows]
+
+
+def test_per_position_loss_matches_the_model_and_sp2(setup):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.corpus import ByteTokenizer
+
+    stdout, single = _run([sys.executable], setup, setup / "out1")
+    _, sharded = _run(torchrun_launcher(2) + ["--no-python", sys.executable], setup, setup / "out2")
+    assert sharded == pytest.approx(single, rel=1e-5)
+    assert "last 511 tokens: mean loss" in stdout and (setup / "out1" / "positions.png").stat().st_size > 0
+    summary = json.loads((setup / "out1" / "summary.json").read_text())
+    assert {"tail_mean_loss", "first_rise_position", "unigram_entropy"} <= summary.keys()
+
+    # the same numbers from the model itself, with transformers' own attention, on the same two samples
+    text = "".join(open(setup / "books" / f"{i}.txt").read() + "\0" for i in range(2))
+    ids = torch.from_numpy(ByteTokenizer().encode_batch([text])[0]).long()
+    ids[ids == 3] = 1  # the "\0" separators stand for EOS (id 1) as the corpus pipeline joins documents
+    model = AutoModelForCausalLM.from_pretrained(setup / "model", attn_implementation="sdpa")
+    losses = []
+    with torch.no_grad():
+        for i in range(2):
+            x = ids[i * SEQ:(i + 1) * SEQ][None]
+            losses.append(F.cross_entropy(model(input_ids=x).logits[0, :-1], x[0, 1:], reduction="none"))
+    mean = torch.stack(losses).mean(0)
+    expected = [float(mean[s:s + BUCKET].mean()) for s in range(0, SEQ - 1, BUCKET)]
+    assert single == pytest.approx(expected, rel=1e-4)
