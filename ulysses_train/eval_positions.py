@@ -147,8 +147,10 @@ def main(argv=None) -> int:
         print(f"last {summary['tail_tokens']:,} tokens: mean loss {summary['tail_mean']:.4f} (unigram entropy "
               f"{entropy:.4f}); {'no rise' if rise is None else f'loss first rises {a.threshold} nats above the early mean at position {rise:,}'}"
               f" -> {a.out}")
-    dist.destroy_process_group()
-    return 0
+    dist.barrier()
+    from .trainer import exit_now
+
+    exit_now(0)  # see exit_now: no process-group teardown
 
 
 if __name__ == "__main__":

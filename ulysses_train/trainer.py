@@ -344,7 +344,17 @@ def _quiet_libraries() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
+def exit_now(code: int) -> None:
+    """Ends the process without the interpreter's teardown of the process groups: gloo's teardown of sub-groups now
+    and then aborts a process that has finished its work ("terminate called without an active exception"), which
+    would turn a clean exit into SIGABRT. Everything we write is closed and flushed before this point."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv=None) -> int:
+    """Runs the trainer; never returns (exits with 0, 2 for settings, 3 for non-finite/checkpoint errors, 1 else)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     _quiet_libraries()
     cfg, explicit = parse_args(argv)
@@ -356,17 +366,19 @@ def main(argv=None) -> int:
         if rank == 0 and history:
             print(f"done: {history[-1]['step']} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
                   f"metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
-        return 0
+        dist.barrier()  # no rank leaves while another still talks to it
+        code = 0
     except ConfigError as e:
         # every rank hits the same check; one message is enough, every rank exits non-zero
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        code = 2
     except (NonFiniteError, CheckpointError) as e:  # raised on every rank together
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return 3
+        code = 3
     except BaseException:
+        # do not wait in collectives on the other ranks: the launcher tears them down
         print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)  # do not wait in collectives on the other ranks: the launcher tears them down
+        code = 1
+    exit_now(code)
