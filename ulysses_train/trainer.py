@@ -339,7 +339,6 @@ def _quiet_libraries() -> None:
     import warnings
 
     # torch renamed these collectives; DeepSpeed still calls the old names once per bucket, every step
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+ is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
