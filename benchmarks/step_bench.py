@@ -10,6 +10,7 @@ linear 6 x matmul-params x tokens; causal attention 2 x T^2 x heads x head_dim p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -18,6 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from benchmarks.phases import PhaseTimer, profile_one_step  # noqa: E402
 
 
 def matmul_ceiling_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -33,12 +36,40 @@ def matmul_ceiling_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
+ATTENTION_TFLOPS = 560  # cuDNN SDPA forward+backward measured on this H200 (../shared/DESIGN.md)
+
+
 def model_flops(model_config, linear_params: int, tokens: int) -> dict:
     layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     linear = 6 * linear_params * tokens
     attn_fwd = 2 * tokens**2 * heads * head_dim * layers
     return {"linear": linear, "attention": attn_fwd * 3.5, "total": linear + attn_fwd * 3.5}
+
+
+def median_phases(times: list[dict]) -> dict:
+    after_warmup = times[1:] or times
+    return {k: statistics.median(t.get(k, 0.0) for t in after_warmup) for k in ("forward", "backward", "step")}
+
+
+def print_breakdown(result: dict) -> None:
+    """Phases and kernel categories against the FLOP model: what each would take at the ceilings."""
+    flops, ceiling = result["flops"], result["matmul_ceiling_tflops"] * 1e12
+    if result["phases_s"]:
+        print("phase seconds (median after warm-up): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                    result["phases_s"].items()))
+    if not result["kernel_s"]:
+        return
+    attn_fwd = flops["attention"] / 3.5
+    model = {"matmul": (flops["linear"] * 8 / 6, ceiling), "attention_fwd": (attn_fwd, ATTENTION_TFLOPS * 1e12),
+             "attention_bwd": (attn_fwd * 2.5, ATTENTION_TFLOPS * 1e12)}
+    print(f"{'kernels':<14}{'GPU s':>8}{'TFLOP/s':>9}{'floor s':>9}")
+    for name, secs in sorted(result["kernel_s"].items(), key=lambda kv: -kv[1]):
+        work, peak = model.get(name, (0, 0))
+        rate = f"{work / secs / 1e12:9.0f}" if work and secs else f"{'':9}"
+        floor = f"{work / peak:9.2f}" if work else f"{'':9}"
+        print(f"{name:<14}{secs:8.2f}{rate}{floor}")
+    print(f"{'sum':<14}{sum(result['kernel_s'].values()):8.2f}  (step {result['median_step_s']:.2f} s)")
 
 
 def main():
@@ -48,6 +79,9 @@ def main():
     parser.add_argument("--json", required=True)
     parser.add_argument("--label", default="ours")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)  # appended by the deepspeed launcher
+    parser.add_argument("--profile_step", type=int, default=0,
+                        help="profile this step (1-based) with the torch profiler: GPU time per kernel category")
+    parser.add_argument("--trace", default=None, help="with --profile_step: write the Chrome trace here")
     args = parser.parse_args(argv[:split])
 
     from ulysses_train.config import parse_args
@@ -60,7 +94,12 @@ def main():
     normalise_launcher_env()
     ceiling = matmul_ceiling_tflops() if torch.cuda.is_available() else float("nan")
     trainer = Trainer(cfg, explicit)
-    history = trainer.train()
+    cuda = torch.cuda.is_available()
+    timer = PhaseTimer(trainer.engine, trainer.module.model.get_output_embeddings()) if cuda else None
+    kernels: dict = {}
+    with (profile_one_step(trainer, args.profile_step, args.trace) if cuda and args.profile_step
+          else contextlib.nullcontext({})) as kernels:
+        history = trainer.train()
     model = trainer.module.model
     linear_params = sum(getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()
                         if isinstance(m, torch.nn.Linear))
@@ -77,12 +116,14 @@ def main():
         "mfu": flops["total"] / median / world / 1e12 / ceiling, "flops": flops,
         "peak_gpu_gib": max(r["peak_mem_gib"] for r in history), "host_peak_gib": host_peak_gib(),
         "host_offload_gib": trainer.host_offload_gib, "losses": [r["loss"] for r in history],
-        "keep_attention": trainer.keep_attention, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+        "keep_attention": trainer.keep_attention,
+        "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
         else "cpu",
     }
     if trainer.rank == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+        print_breakdown(result)
         print("BENCH " + json.dumps({k: result[k] for k in ("label", "seq_len", "layers", "median_step_s",
                                                             "tokens_per_s", "model_tflops_per_gpu", "mfu",
                                                             "peak_gpu_gib", "host_peak_gib")}), flush=True)

@@ -22,11 +22,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepsp
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    from ulysses_train.parallel import disable_deepspeed_shm_allreduce, init_distributed
+
+    disable_deepspeed_shm_allreduce()  # also for DeepSpeed wrapping an existing process group later
     try:
         if use_deepspeed:
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend=backend)
+            init_distributed(backend)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)

@@ -46,7 +46,7 @@ def test_offload_and_kept_attention_are_exact_on_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     register_ulysses_attention(None, "sdpa")
     ids = torch.randint(3, 96, (1, 2048), generator=torch.Generator().manual_seed(0))
-    results = {}
+    results, host_bytes = {}, {}
     for name, keep, offload in (("plain", False, False), ("keep", True, False), ("offload", False, True),
                                 ("both", True, True)):
         torch.manual_seed(0)
@@ -60,7 +60,11 @@ def test_offload_and_kept_attention_are_exact_on_gpu():
         loss.backward()
         if offload:
             assert hooks.host_bytes > 0  # the layer inputs really went to the host
+            host_bytes[name] = hooks.host_bytes
         results[name] = (loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()})
+    # with kept attention, its outputs went to the host too: (b, s, heads, head_dim) per layer, at least
+    kept_out = 2 * 2048 * tiny_config("qwen3").num_attention_heads * tiny_config("qwen3").head_dim * 4
+    assert host_bytes["both"] >= host_bytes["offload"] + kept_out
     base_loss, base_grads = results.pop("plain")
     for name, (loss, grads) in results.items():
         assert loss == base_loss, name

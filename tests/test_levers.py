@@ -1,6 +1,8 @@
 """Memory levers change memory and time, never the numbers: each one on versus off gives the same loss and the
 same gradients, at SP=1 and SP=2 (fp32, CPU). And each one really acts: kept attention outputs mean the attention
-kernel runs once per layer instead of twice, which we count at the dispatcher."""
+kernel runs once per layer instead of twice, which we count at the dispatcher; the offload moves the layer inputs,
+and with kept attention its outputs too, which we count in bytes (on CPU the "host" copy is a plain copy, so the
+bookkeeping and the exactness are what is tested here; tests/test_gpu.py runs the CUDA streams)."""
 
 import pytest
 import torch
@@ -23,12 +25,12 @@ class CountAttention(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False):
+def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.checkpointing import enable_checkpointing
+    from ulysses_train.checkpointing import HostOffload, enable_checkpointing
     from ulysses_train.loss import global_token_count, install_loss_head
     from ulysses_train.sharding import shard_sequence
     from ulysses_train.trainer import CausalLMWithSPLoss
@@ -38,8 +40,9 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="ulysses")
     model.train()
+    hooks = HostOffload(min_bytes=0) if offload else None
     if checkpoint:
-        enable_checkpointing(model, keep_attention, offload=None)
+        enable_checkpointing(model, keep_attention, offload=hooks)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if tiled:
         from ulysses_train.tiled_mlp import enable_tiled_mlp
@@ -57,7 +60,7 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False):
         for g in grads.values():
             dist.all_reduce(g, group=group)
         dist.all_reduce(loss.detach(), group=group)
-    return loss.item(), grads, counter.calls
+    return loss.item(), grads, counter.calls, hooks.host_bytes if hooks else 0
 
 
 def _run(world, *args):
@@ -68,14 +71,22 @@ def _run(world, *args):
 
 @pytest.mark.parametrize("sp", [1, 2])
 def test_levers_do_not_change_loss_or_gradients(sp):
-    base_loss, base_grads, base_calls = _run(sp, False, "plain", False)  # no checkpointing, plain loss
-    layers = tiny_config("qwen3").num_hidden_layers
+    base_loss, base_grads, base_calls, _ = _run(sp, False, "plain", False)  # no checkpointing, plain loss
+    config = tiny_config("qwen3")
+    layers = config.num_hidden_layers
     assert base_calls == layers
-    for keep, loss_kind, tiled, expected_calls in ((False, "plain", False, 2 * layers),
-                                                   (True, "plain", False, layers), (True, "fused", False, layers),
-                                                   (False, "fused", True, 2 * layers), (True, "fused", True, layers)):
-        loss, grads, calls = _run(sp, keep, loss_kind, True, tiled)
+    layer_input = SEQ // sp * config.hidden_size * 4  # fp32 bytes of one layer's input on this rank
+    attention_out = SEQ * config.num_attention_heads // sp * config.head_dim * 4  # after the all-to-all
+    offloaded = {}
+    for keep, loss_kind, tiled, offload, expected_calls in (
+            (False, "plain", False, False, 2 * layers), (True, "plain", False, False, layers),
+            (True, "fused", False, False, layers), (False, "fused", True, False, 2 * layers),
+            (True, "fused", True, False, layers), (False, "fused", False, True, 2 * layers),
+            (True, "fused", True, True, layers)):
+        loss, grads, calls, offloaded[keep, offload] = _run(sp, keep, loss_kind, True, tiled, offload)
         assert calls == expected_calls, (keep, loss_kind)  # recompute re-runs the kernel unless outputs are kept
         assert loss == pytest.approx(base_loss, rel=1e-6)
         for name, ref in base_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert offloaded[False, True] >= layers * layer_input  # every checkpointed layer's input went out
+    assert offloaded[True, True] >= offloaded[False, True] + layers * attention_out  # and every kept output

@@ -4,6 +4,7 @@ The sharded runs must reproduce the loss curve of the unsharded run with the sam
 same data, the same initial weights (zero.Init broadcasts rank 0's), so differences are reduction-order rounding
 (rel 1e-4 after several optimizer steps)."""
 
+import glob
 import json
 import os
 import subprocess
@@ -66,7 +67,12 @@ def accelerate_launcher(n):
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_port())]
 
 
+def deepspeed_shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/deepspeed_*"))
+
+
 def test_sp2_matches_single_process_under_deepspeed_torchrun_and_accelerate(tmp_path):
+    shm_before = deepspeed_shm_segments()
     run([sys.executable], [], tmp_path / "single")
     ds = run(deepspeed_launcher(2), [], tmp_path / "ds_sp2")  # sp_size defaults to the ranks on the node
     assert "dp 1 x sp 2" in ds.stdout
@@ -76,6 +82,8 @@ def test_sp2_matches_single_process_under_deepspeed_torchrun_and_accelerate(tmp_
     for launcher in ("ds_sp2", "torchrun_sp2", "accelerate_sp2"):
         assert_same_curve(metrics(tmp_path / launcher), single)
     assert single[-1]["loss"] < single[0]["loss"]
+    # DeepSpeed's CPU shared-memory all-reduce leaves 66 MB per rank in /dev/shm; enough runs OOM the machine
+    assert deepspeed_shm_segments() <= shm_before
 
 
 def test_dp2_sp2_matches_dp2_sp1_with_accumulation(tmp_path):

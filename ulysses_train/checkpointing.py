@@ -4,10 +4,11 @@
   outputs (the output and its log-sum-exp) in the forward, so the recompute before a layer's backward re-runs
   everything except the kernel, the most expensive op at long context (~22% of a step at 64k+). Costs
   `layers x (s/sp) x hidden x 2 bytes` of memory.
-* Host offload of checkpoints (`--offload_activations`): what a checkpointed layer saves (its inputs) goes to
-  pinned host memory on a side stream in the forward, and comes back on a side stream one layer ahead of the
-  backward that needs it, so both copies overlap compute. transformers' own `offload=True` copies on the compute
-  stream and waits for each copy, which is why we write this one.
+* Host offload of checkpoints (`--offload_activations`): what a checkpointed layer saves (its inputs, and its kept
+  attention outputs) goes to pinned host memory on a side stream in the forward, and comes back on a side stream one
+  layer ahead of the backward that needs it, so both copies overlap compute. transformers' own `offload=True`
+  copies on the compute stream and waits for each copy, and nobody offloads selective-checkpoint caches, which is
+  why we write this one. With both levers the GPU holds two layers' worth of them at any time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # attention kernels whose outputs are kept; the list covers every SDPA backend and the flash_attn package
@@ -36,64 +38,150 @@ def _keep_attention(ctx, op, *args, **kwargs):
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors of the forward go to pinned host memory; the backward gets them back one ahead of use.
+    """Saved tensors of the forward go to pinned host memory; the backward gets them back one layer ahead of use.
 
-    Backward unpacks in reverse order of packing, so when item k is unpacked we start copying item k-1 back."""
+    Items are grouped by checkpointed layer (`start_group` before each). Backward visits the layers in reverse, so
+    when the first item of layer g is needed, all of layer g is fetched and all of layer g-1 starts coming back.
+    Without CUDA the copies are plain host-to-host copies: nothing is saved, but tests exercise the bookkeeping."""
 
     def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES):
         self.min_bytes = min_bytes
         self.items: list[dict] = []
-        self.d2h = torch.cuda.Stream()
-        self.h2d = torch.cuda.Stream()
+        self.groups: list[list[dict]] = [[]]
+        self.cuda = torch.cuda.is_available()
+        self.d2h = torch.cuda.Stream() if self.cuda else None
+        self.h2d = torch.cuda.Stream() if self.cuda else None
         self.host_bytes = 0
         super().__init__(self._pack, self._unpack)
 
+    def start_group(self) -> None:
+        if self.groups[-1]:
+            self.groups.append([])
+
     def _pack(self, t: torch.Tensor):
-        if not t.is_cuda or t.numel() * t.element_size() < self.min_bytes:
+        if t.is_cuda != self.cuda or t.numel() * t.element_size() < self.min_bytes:
             return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.d2h.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.d2h):
-            host.copy_(t, non_blocking=True)
-            t.record_stream(self.d2h)  # the allocator must not reuse t's memory before the copy is done
-        item = {"host": host, "device": t.device, "index": len(self.items), "done_d2h": self.d2h.record_event()}
+        item = {"device": t.device, "group": len(self.groups) - 1}
+        if self.cuda:
+            item["host"] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h):
+                item["host"].copy_(t, non_blocking=True)
+                t.record_stream(self.d2h)  # the allocator must not reuse t's memory before the copy is done
+            item["done_d2h"] = self.d2h.record_event()
+        else:
+            item["host"] = t.detach().clone()
         self.items.append(item)
-        self.host_bytes += host.numel() * host.element_size()
+        self.groups[-1].append(item)
+        self.host_bytes += t.numel() * t.element_size()
         return item
 
     def _fetch(self, item: dict) -> None:
-        if "gpu" in item:
+        if "back" in item or item.get("used"):
+            return
+        if not self.cuda:
+            item["back"] = item["host"].clone()
             return
         self.h2d.wait_event(item["done_d2h"])
         with torch.cuda.stream(self.h2d):
-            item["gpu"] = item["host"].to(item["device"], non_blocking=True)
+            item["back"] = item["host"].to(item["device"], non_blocking=True)
             item["done_h2d"] = self.h2d.record_event()
 
     def _unpack(self, item):
         if isinstance(item, torch.Tensor):
             return item
-        self._fetch(item)
-        if item["index"] > 0:
-            self._fetch(self.items[item["index"] - 1])  # prefetch the one the backward needs next
-        torch.cuda.current_stream().wait_event(item["done_h2d"])
-        gpu = item.pop("gpu")
-        gpu.record_stream(torch.cuda.current_stream())
-        return gpu
+        for other in self.groups[item["group"]]:  # the rest of this layer is needed in a moment
+            self._fetch(other)
+        if item["group"] > 0:
+            for other in self.groups[item["group"] - 1]:  # the layer the backward visits next
+                self._fetch(other)
+        back = item.pop("back")
+        item["used"] = True  # a later prefetch of this layer must not copy it again
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(item["done_h2d"])
+            back.record_stream(torch.cuda.current_stream())
+        return back
 
     def reset(self) -> None:
         self.items.clear()
+        self.groups = [[]]
         self.host_bytes = 0
+
+
+class _HostCopy:
+    """Stands in for a selective-checkpoint cache entry (torch's `_VersionWrapper`, read through `get_val`) whose
+    tensor went to the host; `get_val` brings it back through the offload's prefetching unpack."""
+
+    def __init__(self, offload: HostOffload, item):
+        self.offload, self.item = offload, item
+
+    def get_val(self, allow_cache_entry_mutation: bool = False):
+        return self.offload._unpack(self.item)
+
+
+class _OffloadKeptOutputs(TorchDispatchMode):
+    """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after an
+    attention kernel, the cache entries holding CUDA tensors are swapped for host copies. Why: kept attention
+    outputs cost `layers x s x hidden x 2` bytes (38 GiB at 131k on Qwen3-4B); on the host they cost nothing."""
+
+    def __init__(self, caching_mode, offload: HostOffload):
+        super().__init__()
+        self.storage, self.offload = caching_mode.storage, offload
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ATTENTION_OPS:
+            with _disable_current_modes():  # the copies themselves must not land in the checkpoint's cache
+                self._offload_new_entries()
+        return out
+
+    def _offload_new_entries(self) -> None:
+        for entries in self.storage.values():
+            for idx, entry in entries.items():
+                entries[idx] = _offload_entry(entry, self.offload)
+
+
+def _offload_entry(entry, offload: HostOffload):
+    if isinstance(entry, (tuple, list)):
+        return type(entry)(_offload_entry(e, offload) for e in entry)
+    val = getattr(entry, "val", None)
+    if isinstance(val, torch.Tensor) and val.is_cuda == offload.cuda and val.numel() * val.element_size() >= offload.min_bytes:
+        return _HostCopy(offload, offload._pack(val))
+    return entry
+
+
+def _keep_contexts(offload: Optional[HostOffload]):
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_keep_attention)
+    if offload is None:
+        return forward_ctx, recompute_ctx
+    return _Both(forward_ctx, _OffloadKeptOutputs(forward_ctx, offload)), recompute_ctx
+
+
+class _Both:
+    """Enters two context managers in order and leaves them in reverse."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc):
+        self.second.__exit__(*exc)
+        self.first.__exit__(*exc)
 
 
 def make_checkpoint_fn(keep_attention: bool, offload: Optional[HostOffload]):
     """The function transformers calls for each checkpointed layer (`_set_gradient_checkpointing`)."""
     kwargs = {"use_reentrant": False}
     if keep_attention:
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
+        kwargs["context_fn"] = functools.partial(_keep_contexts, offload)
 
     def checkpoint_layer(function, *args, **kw):
         if offload is None:
             return checkpoint(function, *args, **kwargs, **kw)
+        offload.start_group()
         with offload:
             return checkpoint(function, *args, **kwargs, **kw)
     return checkpoint_layer

@@ -20,6 +20,27 @@ import torch.distributed as dist
 from .config import ConfigError
 
 
+def disable_deepspeed_shm_allreduce() -> None:
+    """Stop DeepSpeed's CPU backend from building its shared-memory all-reduce.
+
+    Why: on the CPU accelerator, every process DeepSpeed's comm layer wraps compiles (JIT, tens of seconds) a
+    shared-memory all-reduce and creates a 66 MB `/dev/shm/deepspeed_allreduce_buffer_*` segment that it never
+    unlinks. Each CPU run leaked 132 MB of RAM-backed tmpfs per two ranks; a test suite fills a 24 GB machine and
+    gets OOM-killed. The op serves only `inference_all_reduce`, which training never calls; gloo does the rest.
+    Call before the first `deepspeed.init_distributed` or `deepspeed.initialize`."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_distributed(backend: str) -> None:
+    """`deepspeed.init_distributed` without the leaking CPU shared-memory op (see above)."""
+    import deepspeed
+
+    disable_deepspeed_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=backend)
+
+
 def validate_sp_size(sp_size: int, world_size: int) -> int:
     """Returns the data-parallel size; raises a ConfigError naming --sp_size when the split is impossible."""
     if sp_size < 1:

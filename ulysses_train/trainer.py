@@ -34,7 +34,7 @@ from .launcher import normalise_launcher_env
 from .loss import global_token_count, install_loss_head, sp_backward_scale
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 from .models import attention_heads, build_model, load_model_config
-from .parallel import SequenceParallelGroups, validate_heads, validate_sp_size
+from .parallel import SequenceParallelGroups, init_distributed, validate_heads, validate_sp_size
 from .sharding import shard_sequence
 
 
@@ -79,7 +79,7 @@ class Trainer:
         self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
                                    cfg.rope_original_max_positions)
         accel = get_accelerator()
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        init_distributed(accel.communication_backend_name())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         sp_size = cfg.sp_size or math.gcd(_local_world_size(), self.world)
         dp_size = validate_sp_size(sp_size, self.world)
