@@ -12,13 +12,16 @@ from ulysses_train.plan import GiB, Levers, estimate, geometry  # noqa: E402
 print("| run | tokens | sp | layers | measured peak GiB | planner GiB | error |\n|---|---|---|---|---|---|---|")
 for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "results", "*.json"))):
     r = json.load(open(path))
+    if "argv" not in r:  # not a step_bench result
+        continue
     argv, t = r["argv"], r["seq_len"] // r["sp"]
     if "plain" in argv:  # the planner models the fused loss only
         continue
     config = load_model_config(None, "qwen3-4b", r["layers"])
     levers = Levers(keep_attention=r["keep_attention"], offload_activations="--offload_activations" in argv,
                     tiled_mlp="on" in argv or ("off" not in argv and t * config.intermediate_size * 2 > 2 * GiB),
-                    bf16_states="ds_configs/zero3_bf16_states.json" in argv)
+                    bf16_states="ds_configs/zero3_bf16_states.json" in argv,
+                    offload_kept=r.get("kept_offloaded", False))  # results before the change kept them on the GPU
     est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
     print(f"| {r['label']} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | {r['peak_gpu_gib']:.1f} | {est:.1f} | "
           f"{100 * (est / r['peak_gpu_gib'] - 1):+.1f}% |")

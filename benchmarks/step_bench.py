@@ -117,6 +117,7 @@ def main():
         "peak_gpu_gib": max(r["peak_mem_gib"] for r in history), "host_peak_gib": host_peak_gib(),
         "host_offload_gib": trainer.host_offload_gib, "losses": [r["loss"] for r in history],
         "keep_attention": trainer.keep_attention,
+        "kept_offloaded": bool(trainer.keep_attention and trainer.offload is not None),
         "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
         else "cpu",
     }

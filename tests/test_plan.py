@@ -21,15 +21,17 @@ def test_components_by_hand():
     t = 512
     assert e["tokens_per_rank"] == t
     assert e["gpu"]["checkpoints"] == 2 * t * 64 * 2
-    assert e["gpu"]["kept attention"] == 2 * t * 64 * 2
+    assert e["gpu"]["kept attention"] == 2 * t * (64 * 2 + 8 * 4)  # output, and fp32 log-sum-exp per head
     assert e["gpu"]["model states"] == pytest.approx(2 * n / 4 + 14 * n / 4 + 4 * g["layer_params"])
     assert e["gpu"]["loss"] == 256 * 96 * 6 + 96 * 64 * 4 + 2 * t * 64 * 2
     assert e["gpu"]["all-to-all buffers"] == 2 * t * (64 + 2 * max(32, 16)) * 2
     offloaded = estimate(g, 1024, 4, 2, Levers(offload_activations=True, bf16_states=True))
     assert offloaded["gpu"]["checkpoints"] == 0
-    assert offloaded["host"]["offloaded checkpoints"] == 4 * 2 * t * 64 * 2  # 4 ranks on the host
-    tiled = estimate(g, 1 << 20, 1, 1, Levers(tiled_mlp=True))
-    untiled = estimate(g, 1 << 20, 1, 1, Levers())
+    assert offloaded["gpu"]["kept attention"] == 0  # the offload takes the kept attention outputs too
+    assert offloaded["host"]["offloaded checkpoints"] == 4 * 2 * t * (64 * 2 + 64 * 2 + 8 * 4)  # 4 ranks on the host
+    wide_mlp = dict(g, inter=64 * 64)  # so that the MLP, not attention, is the larger part of the layer
+    tiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers(tiled_mlp=True))
+    untiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers())
     assert tiled["gpu"]["layer working set"] < untiled["gpu"]["layer working set"]
 
 
@@ -47,3 +49,78 @@ def test_cli_says_when_nothing_fits(capsys):
     assert "nothing fits" in capsys.readouterr().out
     assert main(["--model_config", "qwen3-4b", "--seq_len", "65536", "--gpus", "1"]) == 0
     assert "fits with --sp_size 1" in capsys.readouterr().out
+
+
+class LiveBytes:
+    """Counts the bytes of tensor storages created under it that are still alive (CPU allocations, exactly)."""
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+        self.live, self.seen = 0, set()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if any(r.alias_info is not None for r in func._schema.returns):
+                    return out  # a view or an in-place op: no new memory
+                for t in tree_flatten(out)[0]:
+                    storage = getattr(t, "untyped_storage", None)
+                    if storage is None:
+                        continue
+                    storage = storage()
+                    key = storage.data_ptr()
+                    if storage.nbytes() and key not in tracker.seen:
+                        tracker.seen.add(key)
+                        tracker.live += storage.nbytes()
+                        weakref.finalize(storage, tracker._free, key, storage.nbytes())
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def _free(self, key, nbytes):
+        self.live -= nbytes
+        self.seen.discard(key)
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_saved_bytes_match_cpu_allocations(keep):
+    """What a checkpointed forward leaves alive for the backward, per token, equals the planner's checkpoints plus
+    kept attention outputs (fp32 here): measured as the growth between two lengths, so constants cancel."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.attention import register_ulysses_attention
+    from ulysses_train.checkpointing import enable_checkpointing
+
+    config = tiny_config("qwen3")
+    register_ulysses_attention(None, "sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses").train()
+    enable_checkpointing(model, keep, None)
+    decoder = model.get_decoder()
+    alive, outputs = {}, []
+    for t in (256, 512):
+        x = torch.randn(1, t, config.hidden_size, requires_grad=True)
+        positions = torch.arange(t)[None]
+        rotary = decoder.rotary_emb(x, positions)
+        with LiveBytes() as tracker:
+            h = x
+            for layer in decoder.layers:
+                h = layer(h, position_embeddings=rotary, position_ids=positions)
+                h = h[0] if isinstance(h, tuple) else h
+            alive[t] = tracker.live
+        outputs.append(h)  # keep the graph (and what it saved) alive until measured
+    per_token = (alive[512] - alive[256]) / 256
+    g = geometry(config)
+    e = estimate(g, seq_len=1, gpus=1, sp=1, levers=Levers(keep_attention=keep), act_bytes=4)
+    planned = e["gpu"]["checkpoints"] + e["gpu"]["kept attention"]  # per token, as seq_len is 1
+    assert per_token == pytest.approx(planned, rel=0.05)

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 
 GiB = 2**30
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
+# The recomputed layer's attention block holds about this many (tokens x heads*head_dim) bf16 tensors at its peak in
+# the backward. Fitted (one number) on the ten H200 peaks of docs/memory.md, where it is 20-22 at 64k-524k tokens per
+# rank; counted by hand the list reaches ~20: q, k and v after projection, Qwen3's q/k norms (fp32 input saved: 2
+# each), their bf16 outputs, rotary temporaries (q*cos, rotate_half, *sin), k and v expanded to all heads, the
+# output and its layout copy, dq, expanded dk and dv, and cuDNN's fp32 dq accumulator (2).
+ATTENTION_TENSORS = 21
 
 
 @dataclass
@@ -27,6 +33,7 @@ class Levers:
     tiled_mlp: bool = False
     bf16_states: bool = False
     offload_optimizer: bool = False
+    offload_kept: bool = True  # with offload_activations, the kept attention outputs go too (False: before 2026-11-30b)
 
     def describe(self) -> str:
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
@@ -66,9 +73,9 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         gpu_states, host_states = 2 * n / shard + (per_param - 2) * n / gpus, 0
     gathered = 2 * 2 * g["layer_params"]  # a layer being used and the next one prefetched (ZeRO-3)
     checkpoints = g["layers"] * t * g["hidden"] * b
-    kept = g["layers"] * t * g["attn_width"] * b if levers.keep_attention else 0
-    # the recomputed layer during its backward: q, expanded k and v, output, their gradients and the pre-rope copies
-    attention = 11 * t * g["attn_width"] * b
+    # kept attention: the output, and the log-sum-exp (fp32 per head)
+    kept = g["layers"] * t * (g["attn_width"] * b + g["heads"] * 4) if levers.keep_attention else 0
+    attention = ATTENTION_TENSORS * t * g["attn_width"] * b  # the recomputed layer's attention block, at its peak
     mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
     mlp = 6 * mlp_rows * g["inter"] * b  # gate, up, act, product + two gradients
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
@@ -76,14 +83,17 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     loss = loss_chunk * g["vocab"] * (4 + b) + g["vocab"] * g["hidden"] * 4 + 2 * t * g["hidden"] * b
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * sp)) * b if sp > 1 else 0
     on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
-    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": kept,
+    kept_to_host = levers.offload_activations and levers.offload_kept  # the offload takes the kept outputs too
+    on_gpu_kept = 0 if kept_to_host else kept
+    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
            "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
     # the loss runs at the end of the forward, the layer working set in the backward: never both at once
     transient = max(layer + a2a, loss)
-    gpu_total = gpu["model states"] + on_gpu_ckpt + kept + transient + CUDA_OVERHEAD
+    gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
-            "offloaded checkpoints": (checkpoints if levers.offload_activations else 0) * ranks_per_host}
+            "offloaded checkpoints": ((checkpoints if levers.offload_activations else 0) + kept - on_gpu_kept)
+            * ranks_per_host}
     return {"tokens_per_rank": t, "gpu": gpu, "gpu_total": gpu_total, "host": host,
             "host_total": sum(host.values()) + 4 * GiB * ranks_per_host}
 
