@@ -19,11 +19,11 @@ from dataclasses import dataclass
 GiB = 2**30
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
 # The recomputed layer's attention block holds about this many (tokens x heads*head_dim) bf16 tensors at its peak in
-# the backward. Fitted (one number) on the ten H200 peaks of docs/memory.md, where it is 20-22 at 64k-524k tokens per
-# rank; counted by hand the list reaches ~20: q, k and v after projection, Qwen3's q/k norms (fp32 input saved: 2
-# each), their bf16 outputs, rotary temporaries (q*cos, rotate_half, *sin), k and v expanded to all heads, the
-# output and its layout copy, dq, expanded dk and dv, and cuDNN's fp32 dq accumulator (2).
-ATTENTION_TENSORS = 21
+# the backward. Fitted (one number) on the ten H200 peaks of docs/memory.md, where it comes out at 19.6-21.5 for
+# 64k-524k tokens per rank (20: largest error 2.2%). Counted by hand the list reaches ~20: q, k and v after
+# projection, Qwen3's q/k norms (fp32 input saved: 2 each), their bf16 outputs, rotary temporaries, k and v expanded
+# to all heads, the output and its layout copy, dq, expanded dk and dv, cuDNN's fp32 dq accumulator (2).
+ATTENTION_TENSORS = 20
 
 
 @dataclass
