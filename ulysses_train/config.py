@@ -113,6 +113,8 @@ class TrainConfig:
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
     tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard.")
     log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
+    profile_memory: int = _f(0, "Record memory for the first N steps: <output_dir>/memory/memory.png (stacked by "
+                                "category), memory.json and, on CUDA, PyTorch's snapshot.pickle. Slows those steps.")
 
     def validate(self) -> None:
         """All checks that need neither a model nor a process group."""
@@ -126,6 +128,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")
+        if self.profile_memory < 0 or self.profile_memory > self.steps:
+            raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         if self.streaming and not self.dataset:

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
+from .memory_profile import MemoryProfiler
 from .rope import configure_rope
 from .tiled_mlp import enable_tiled_mlp, should_tile
 from .checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
@@ -285,9 +286,13 @@ class Trainer:
                                self.start_step)
         stop = StopFlag()
         history = []
+        profiler = None
         try:
             for step in range(self.start_step + 1, cfg.steps + 1):  # 1-based: step N is the N-th optimizer step
                 inject_at_step(step, self.rank)
+                if cfg.profile_memory and step == self.start_step + 1:
+                    profiler = MemoryProfiler(self, cfg.profile_memory, os.path.join(cfg.output_dir, "memory"))
+                    profiler.start()
                 accel.synchronize()
                 start = time.perf_counter()
                 loss_sum = torch.zeros((), device=self.device)
@@ -317,6 +322,9 @@ class Trainer:
                     "lr": self.engine.get_lr()[0],
                 }
                 history.append(record)
+                if profiler is not None and step == self.start_step + cfg.profile_memory:
+                    self._finish_memory_profile(profiler, logger)
+                    profiler = None
                 logger.log(record, {"host_peak_gib": host_peak_gib(), "host_offload_gib": self.host_offload_gib,
                                     "skipped": skipped})
                 if skipped:
@@ -330,8 +338,17 @@ class Trainer:
                                  f"relaunch with --resume auto to continue")
                     break
         finally:
+            if profiler is not None:  # stopped early: still leave the recording
+                self._finish_memory_profile(profiler, logger)
             logger.close()
         return history
+
+    def _finish_memory_profile(self, profiler, logger) -> None:
+        summary = profiler.stop(write=self.rank == 0)
+        if summary:
+            top = sorted(summary["peak_gib"].items(), key=lambda kv: -kv[1])[:4]
+            logger.write(f"memory profile: peak {summary['peak_total_gib']:.2f} GiB of tensors ("
+                         + ", ".join(f"{k} {v:.2f}" for k, v in top) + f") -> {profiler.out_dir}")
 
 
 def _quiet_libraries() -> None:
