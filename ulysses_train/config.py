@@ -85,8 +85,10 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
     attn_recompute: str = _f("auto", "never: keep each layer's attention output and log-sum-exp from the forward, so "
                                      "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
-                                     "bytes). always: plain checkpointing. auto: keep on GPU while that takes under "
-                                     "15%% of the device memory.", ATTN_RECOMPUTE)
+                                     "bytes; on the host with --offload_activations). always: plain checkpointing. "
+                                     "auto: keep while that takes under 15%% of the device memory, or with "
+                                     "--offload_activations while it and the checkpoints take under half the "
+                                     "host memory.", ATTN_RECOMPUTE)
     tiled_mlp: str = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, recomputed per tile in "
                                 "backward, so its seq x intermediate tensors never exist whole. auto: on when one "
                                 "such tensor would exceed 2 GiB.", TILED_MLP)

@@ -17,6 +17,11 @@ def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def host_memory_bytes() -> int:
+    """Physical memory of this host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def device_peak_gib(device: torch.device) -> float:
     """Peak accelerator memory allocated by this process; on CPU, the host peak RSS."""
     if device.type == "cuda":

@@ -33,7 +33,7 @@ from .data import CorpusSource, SyntheticSource, build_batch, global_sample_inde
 from .ds_config import load_ds_config, resolve_ds_config, resolved_lr
 from .launcher import normalise_launcher_env
 from .loss import global_token_count, install_loss_head, sp_backward_scale
-from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
+from .metrics import MetricsLogger, device_peak_gib, host_memory_bytes, host_peak_gib
 from .models import attention_heads, build_model, load_model_config
 from .parallel import SequenceParallelGroups, init_distributed, validate_heads, validate_sp_size
 from .sharding import shard_sequence
@@ -201,8 +201,12 @@ class Trainer:
             return False
         cfg, mc = self.cfg, self.model_config
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        kept = (mc.num_hidden_layers * cfg.seq_len // sp_size * self.micro
-                * mc.num_attention_heads * head_dim * self.dtype.itemsize)
+        per_layer_token = self.micro * cfg.seq_len // sp_size * self.dtype.itemsize
+        kept = mc.num_hidden_layers * per_layer_token * mc.num_attention_heads * head_dim
+        if cfg.offload_activations:  # kept outputs go to the host with the checkpoints, from every local rank
+            checkpoints = mc.num_hidden_layers * per_layer_token * mc.hidden_size
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            return (kept + checkpoints) * local_ranks < 0.5 * host_memory_bytes()
         return kept < 0.15 * torch.cuda.get_device_properties(self.device).total_memory
 
     def _init_engine(self, random_init: bool):

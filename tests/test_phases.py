@@ -1,0 +1,54 @@
+"""benchmarks/phases.py files each profiled GPU kernel by what launched it (the table of the step-time breakdown),
+and times the engine's phases; both checked here without a GPU (the kernels' names are the ones CUDA reports)."""
+
+import pytest
+
+from benchmarks.phases import PhaseTimer, kernel_category
+
+
+@pytest.mark.parametrize("kernel,ancestors,expected", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", ["aten::mm", "aten::linear"], "matmul"),
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", ["aten::addmm"], "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0",
+     ["aten::_scaled_dot_product_cudnn_attention", "aten::scaled_dot_product_attention"], "attention_fwd"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_knob_3",
+     ["aten::_scaled_dot_product_cudnn_attention_backward",
+      "autograd::engine::evaluate_function: ScaledDotProductCudnnAttentionBackward0"], "attention_bwd"),
+    ("flash_fwd_kernel", ["flash_attn::_flash_attn_forward"], "attention_fwd"),
+    ("ncclDevKernel_SendRecv", ["c10d::alltoall_base_", "all_to_all"], "all_to_all"),
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", ["c10d::_reduce_scatter_base_"], "collective"),
+    ("Memcpy DtoH (Device -> Pinned)", ["aten::copy_"], "copy_host"),
+    ("Memcpy HtoD (Pinned -> Device)", ["aten::copy_", "aten::_to_copy"], "copy_host"),
+    ("vectorized_elementwise_kernel", ["aten::mul", "ulysses/loss"], "loss"),
+    ("multi_tensor_apply_kernel", ["aten::_fused_adamw_", "ulysses/optimizer_step"], "optimizer"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", ["aten::mm", "ulysses/loss"], "loss"),  # the head's matmuls are the loss
+    ("triton_red_fused_rms_norm", ["aten::mean"], "other"),
+])
+def test_kernel_categories(kernel, ancestors, expected):
+    assert kernel_category(kernel, ancestors) == expected
+
+
+def test_phase_timer_wraps_the_engine(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    class Engine:
+        def forward(self, x):
+            calls.append("forward")
+            return x
+
+        def backward(self, loss):
+            calls.append("backward")
+
+        def step(self):
+            calls.append("step")
+
+    engine = Engine()
+    timer = PhaseTimer(engine)
+    for _ in range(2):
+        engine.backward(engine.forward(1))
+        engine.step()
+    assert calls == ["forward", "backward", "step"] * 2
+    assert len(timer.times) == 2 and set(timer.times[0]) == {"forward", "backward", "step"}
