@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, then run the named parts, each logging under $OUT.
-#   bash benchmarks/gpu_round.sh tests bench64 peer64 ...
-# Parts run in the order given; the table of BENCH/RESULT lines is printed last.
+#   bash benchmarks/gpu_round.sh env tests "bench:LABEL:SEQ:STEPS:FLAGS" "peer:LABEL:SEQ:STEPS" ...
+# Parts run in the order given; the table of BENCH/RESULT lines is printed last. VAR=VALUE parts set, for the parts
+# after them: LAUNCH (e.g. "torchrun --nproc_per_node 2"), BENCH_TIMEOUT, LAYERS (peer depth) and BENCH_ARGS
+# (step_bench's own flags, e.g. "--profile_step 3" for the per-kernel breakdown).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -11,7 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 M4B="--model_config qwen3-4b --ds_config ds_configs/zero3.json --lr 1e-5"
 bench() {  # bench LABEL SEQ STEPS [extra flags...]
   local label=$1 seq=$2 steps=$3; shift 3
-  timeout ${BENCH_TIMEOUT:-400} ${LAUNCH:-python3} benchmarks/step_bench.py --json "$OUT/$label.json" --label "$label" -- \
+  timeout ${BENCH_TIMEOUT:-400} ${LAUNCH:-python3} benchmarks/step_bench.py --json "$OUT/$label.json" --label "$label" ${BENCH_ARGS:-} -- \
     $M4B --seq_len "$seq" --steps "$steps" --output_dir /tmp/run_$label "$@" > "$OUT/$label.log" 2>&1
   echo "[$label] rc=$? $(grep -h BENCH "$OUT/$label.log")"
 }

@@ -1,6 +1,6 @@
 """Memory levers change memory and time, never the numbers: each one on versus off gives the same loss and the
 same gradients, at SP=1 and SP=2 (fp32, CPU). And each one really acts: kept attention outputs mean the attention
-kernel runs once per layer instead of twice, which we count at the dispatcher; the offload moves the layer inputs,
+kernel runs once per layer instead of twice, which we count at the dispatcher; the lean RMSNorm is among them; the offload moves the layer inputs,
 and with kept attention its outputs too, which we count in bytes (on CPU the "host" copy is a plain copy, so the
 bookkeeping and the exactness are what is tested here; tests/test_gpu.py runs the CUDA streams)."""
 
@@ -25,7 +25,7 @@ class CountAttention(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False):
+def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -44,6 +44,10 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     if checkpoint:
         enable_checkpointing(model, keep_attention, offload=hooks)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
+    if lean:
+        from ulysses_train.lean_norm import install_lean_norms
+
+        assert install_lean_norms(model) > 0
     if tiled:
         from ulysses_train.tiled_mlp import enable_tiled_mlp
 
@@ -78,12 +82,12 @@ def test_levers_do_not_change_loss_or_gradients(sp):
     layer_input = SEQ // sp * config.hidden_size * 4  # fp32 bytes of one layer's input on this rank
     attention_out = SEQ * config.num_attention_heads // sp * config.head_dim * 4  # after the all-to-all
     offloaded = {}
-    for keep, loss_kind, tiled, offload, expected_calls in (
-            (False, "plain", False, False, 2 * layers), (True, "plain", False, False, layers),
-            (True, "fused", False, False, layers), (False, "fused", True, False, 2 * layers),
-            (True, "fused", True, False, layers), (False, "fused", False, True, 2 * layers),
-            (True, "fused", True, True, layers)):
-        loss, grads, calls, offloaded[keep, offload] = _run(sp, keep, loss_kind, True, tiled, offload)
+    for keep, loss_kind, tiled, offload, lean, expected_calls in (
+            (False, "plain", False, False, False, 2 * layers), (True, "plain", False, False, False, layers),
+            (True, "fused", False, False, False, layers), (False, "fused", True, False, False, 2 * layers),
+            (True, "fused", True, False, False, layers), (False, "fused", False, True, False, 2 * layers),
+            (False, "plain", False, False, True, 2 * layers), (True, "fused", True, True, True, layers)):
+        loss, grads, calls, offloaded[keep, offload] = _run(sp, keep, loss_kind, True, tiled, offload, lean)
         assert calls == expected_calls, (keep, loss_kind)  # recompute re-runs the kernel unless outputs are kept
         assert loss == pytest.approx(base_loss, rel=1e-6)
         for name, ref in base_grads.items():

@@ -29,6 +29,9 @@ def test_components_by_hand():
     assert offloaded["gpu"]["checkpoints"] == 0
     assert offloaded["gpu"]["kept attention"] == 0  # the offload takes the kept attention outputs too
     assert offloaded["host"]["offloaded checkpoints"] == 4 * 2 * t * (64 * 2 + 64 * 2 + 8 * 4)  # 4 ranks on the host
+    plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False))["gpu"]["layer working set"]
+    lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True))["gpu"]["layer working set"]
+    assert plain_norms - lean_norms == 4 * t * (64 + 64 + 32)  # fp32 copies: input norm, q norm, k norm
     wide_mlp = dict(g, inter=64 * 64)  # so that the MLP, not attention, is the larger part of the layer
     tiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers(tiled_mlp=True))
     untiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers())

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 GiB = 2**30
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
-# The recomputed layer's attention block holds about this many (tokens x heads*head_dim) bf16 tensors at its peak in
-# the backward. Fitted (one number) on the ten H200 peaks of docs/memory.md, where it comes out at 19.6-21.5 for
-# 64k-524k tokens per rank (20: largest error 2.2%). Counted by hand the list reaches ~20: q, k and v after
-# projection, Qwen3's q/k norms (fp32 input saved: 2 each), their bf16 outputs, rotary temporaries, k and v expanded
-# to all heads, the output and its layout copy, dq, expanded dk and dv, cuDNN's fp32 dq accumulator (2).
-ATTENTION_TENSORS = 20
+# The recomputed layer's attention block, at its peak in the backward, holds about this many (tokens x heads*head_dim)
+# bf16 tensors, plus the fp32 copies that transformers' RMSNorms keep of their inputs (the layer's input norm and
+# Qwen3's q and k norms; none with --lean_norm). Fitted (one number) on the ten H200 peaks of docs/memory.md, all
+# measured with transformers' norms, where the whole block came out at 19.6-21.5 such tensors for 64k-524k tokens
+# per rank (20 for Qwen3-4B, largest error 2.2%), of which the fp32 norm copies are 3.75. Counted by hand the rest
+# reaches ~16: q, k and v after projection, the norms' bf16 outputs, rotary temporaries, k and v expanded to all
+# heads, the output and its layout copy, dq, expanded dk and dv, cuDNN's fp32 dq accumulator (2).
+ATTENTION_TENSORS = 16.25
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Levers:
     bf16_states: bool = False
     offload_optimizer: bool = False
     offload_kept: bool = True  # with offload_activations, the kept attention outputs go too (False: before 2026-11-30b)
+    lean_norm: bool = True  # --lean_norm (False for the runs measured before it existed)
 
     def describe(self) -> str:
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
@@ -56,6 +59,7 @@ def geometry(config) -> dict:
     layer_params = h * head_dim * (2 * heads + 2 * kv) + 3 * h * i + 2 * h + qk_norm
     embed = v * h * (1 if config.tie_word_embeddings else 2)
     return dict(hidden=h, inter=i, vocab=v, layers=layers, heads=heads, kv=kv, head_dim=head_dim,
+                qk_norm=bool(qk_norm),
                 attn_width=heads * head_dim, kv_width=kv * head_dim, layer_params=layer_params,
                 params=layers * layer_params + embed + h)
 
@@ -75,7 +79,9 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     checkpoints = g["layers"] * t * g["hidden"] * b
     # kept attention: the output, and the log-sum-exp (fp32 per head)
     kept = g["layers"] * t * (g["attn_width"] * b + g["heads"] * 4) if levers.keep_attention else 0
-    attention = ATTENTION_TENSORS * t * g["attn_width"] * b  # the recomputed layer's attention block, at its peak
+    # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
+    norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
+    attention = ATTENTION_TENSORS * t * g["attn_width"] * b + norm_copies
     mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
     mlp = 6 * mlp_rows * g["inter"] * b  # gate, up, act, product + two gradients
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
+from .lean_norm import install_lean_norms
 from .memory_profile import MemoryProfiler
 from .rope import configure_rope
 from .tiled_mlp import enable_tiled_mlp, should_tile
@@ -125,11 +126,12 @@ class Trainer:
                  f"{sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters()) / 1e6:.1f}M "
                  f"params | {self.model_config.num_hidden_layers} layers | loss {cfg.loss} | "
                  f"checkpointing {cfg.gradient_checkpointing} (attention kept: {self.keep_attention}, "
-                 f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | rope {self.rope} | "
+                 f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | lean norms: {self.lean_norms} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
 
     def _build_model(self, sp_size: int):
-        """The HF model with the levers applied: checkpointing (kept attention, offload), loss head, tiled MLP."""
+        """The HF model with the levers applied: checkpointing (kept attention, offload), loss head, lean norms, tiled
+        MLP."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model = build_model(self.model_config, cfg.model, self.dtype)
@@ -138,6 +140,7 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_checkpointing(model, self.keep_attention, self.offload)
         install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
+        self.lean_norms = install_lean_norms(model) if cfg.lean_norm else 0
         local_tokens = cfg.seq_len // sp_size * self.micro
         intermediate = getattr(self.model_config, "intermediate_size", 0)
         self.tiled_mlp = should_tile(cfg.tiled_mlp, local_tokens, intermediate, self.dtype.itemsize) and \
