@@ -26,7 +26,8 @@ def _reference(family, seed, loss_kind):
     return model.state_dict(), ids, out.loss.item(), grads
 
 
-def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, tiled=False, dtype="float32"):
+def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, tiled=False, dtype="float32",
+             lean=False):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
@@ -56,6 +57,10 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
         from ulysses_train.tiled_mlp import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=6)
+    if lean:  # our RMSNorm Function: the weight is a ZeRO-3-partitioned parameter saved for its backward
+        from ulysses_train.lean_norm import install_lean_norms
+
+        assert install_lean_norms(model) > 0
     wrapped = CausalLMWithSPLoss(model)
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=torch.optim.AdamW(wrapped.parameters(), lr=0.0),
                                       config=ds, mpu=groups)
@@ -69,18 +74,18 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
     return total.item(), grads
 
 
-@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter,tiled", [
-    ("qwen3", 2, "fused", 3, True, True),
-    ("qwen3", 4, "fused", 3, True, False),
-    ("qwen3", 2, "plain", 3, True, False),
-    ("llama", 2, "fused", 3, True, False),
-    ("qwen3", 2, "fused", 3, False, False),  # DeepSpeed averages differently on each of these three reduction paths
-    ("llama", 2, "fused", 2, True, False),
+@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter,tiled,lean", [
+    ("qwen3", 2, "fused", 3, True, True, True),
+    ("qwen3", 4, "fused", 3, True, False, False),
+    ("qwen3", 2, "plain", 3, True, False, False),
+    ("llama", 2, "fused", 3, True, False, False),
+    ("qwen3", 2, "fused", 3, False, False, False),  # DeepSpeed averages differently on each of these reduction paths
+    ("llama", 2, "fused", 2, True, False, True),
 ])
-def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter, tiled):
+def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter, tiled, lean):
     seed = 17 * sp + len(family) + stage
     _, _, ref_loss, ref_grads = _reference(family, seed, loss_kind)
-    results = run_distributed(_sharded, sp, family, seed, loss_kind, stage, reduce_scatter, tiled,
+    results = run_distributed(_sharded, sp, family, seed, loss_kind, stage, reduce_scatter, tiled, "float32", lean,
                               use_deepspeed=True)
     for loss, grads in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)

@@ -145,9 +145,11 @@ def _offload_entry(entry, offload: HostOffload):
     if isinstance(entry, (tuple, list)):
         return type(entry)(_offload_entry(e, offload) for e in entry)
     val = getattr(entry, "val", None)
-    if isinstance(val, torch.Tensor) and val.is_cuda == offload.cuda and val.numel() * val.element_size() >= offload.min_bytes:
-        return _HostCopy(offload, offload._pack(val))
-    return entry
+    if not isinstance(val, torch.Tensor) or val.is_cuda != offload.cuda:
+        return entry
+    if val.numel() * val.element_size() < offload.min_bytes:
+        return entry
+    return _HostCopy(offload, offload._pack(val))
 
 
 def _keep_contexts(offload: Optional[HostOffload]):
