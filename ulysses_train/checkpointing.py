@@ -122,7 +122,7 @@ class _HostCopy:
 class _OffloadKeptOutputs(TorchDispatchMode):
     """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after an
     attention kernel, the cache entries holding CUDA tensors are swapped for host copies. Why: kept attention
-    outputs cost `layers x s x hidden x 2` bytes (38 GiB at 131k on Qwen3-4B); on the host they cost nothing."""
+    outputs cost `layers x s x heads x head_dim x 2` bytes (36 GiB at 131k on Qwen3-4B); on the host, no GPU memory."""
 
     def __init__(self, caching_mode, offload: HostOffload):
         super().__init__()
