@@ -152,11 +152,13 @@ def test_export_round_trip_gives_the_training_time_logits(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
                             pad_token="<pad>", eos_token="<eos>", unk_token="<unk>").save_pretrained(folder)
     logits_file = tmp_path / "logits.pt"
-    subprocess.run(torchrun_launcher(2) + [os.path.join(ROOT, "tests", "helpers", "train_then_logits.py"),
-                                           "--model", str(folder), "--steps", "2", "--save_steps", "2",
-                                           "--seq_len", "64", "--lr", "3e-3", "--output_dir", str(tmp_path / "run")],
-                   cwd=ROOT, env=_env() | {"LOGITS_OUT": str(logits_file)}, check=True, capture_output=True,
-                   timeout=HANG_GUARD_S)
+    proc = subprocess.run(torchrun_launcher(2) + [os.path.join(ROOT, "tests", "helpers", "train_then_logits.py"),
+                                                  "--model", str(folder), "--steps", "2", "--save_steps", "2",
+                                                  "--seq_len", "64", "--lr", "3e-3", "--output_dir",
+                                                  str(tmp_path / "run")],
+                          cwd=ROOT, env=_env() | {"LOGITS_OUT": str(logits_file)}, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     exported = export(str(tmp_path / "run"), str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert AutoTokenizer.from_pretrained(exported).eos_token == "<eos>"

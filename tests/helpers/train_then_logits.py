@@ -28,3 +28,5 @@ parts = [torch.empty_like(logits) for _ in range(g.sp_size)]
 dist.all_gather(parts, logits.contiguous(), group=g.sp_group)
 if trainer.rank == 0:
     torch.save(torch.cat(parts, dim=1), os.environ["LOGITS_OUT"])
+dist.barrier()
+dist.destroy_process_group()  # without it, gloo's teardown at interpreter exit now and then aborts a finished rank
