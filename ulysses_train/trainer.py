@@ -70,7 +70,6 @@ def _local_world_size() -> int:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, explicit: set[str]):
-        import deepspeed
         from deepspeed.accelerator import get_accelerator
         from transformers.integrations import HfDeepSpeedConfig
 
