@@ -54,47 +54,6 @@ def test_cli_says_when_nothing_fits(capsys):
     assert "fits with --sp_size 1" in capsys.readouterr().out
 
 
-class LiveBytes:
-    """Counts the bytes of tensor storages created under it that are still alive (CPU allocations, exactly)."""
-
-    def __enter__(self):
-        import weakref
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        tracker = self
-        self.live, self.seen = 0, set()
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if any(r.alias_info is not None for r in func._schema.returns):
-                    return out  # a view or an in-place op: no new memory
-                for t in tree_flatten(out)[0]:
-                    storage = getattr(t, "untyped_storage", None)
-                    if storage is None:
-                        continue
-                    storage = storage()
-                    key = storage.data_ptr()
-                    if storage.nbytes() and key not in tracker.seen:
-                        tracker.seen.add(key)
-                        tracker.live += storage.nbytes()
-                        weakref.finalize(storage, tracker._free, key, storage.nbytes())
-                return out
-
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def _free(self, key, nbytes):
-        self.live -= nbytes
-        self.seen.discard(key)
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-
-
 @pytest.mark.parametrize("keep", [False, True])
 def test_saved_bytes_match_cpu_allocations(keep):
     """What a checkpointed forward leaves alive for the backward, per token, equals the planner's checkpoints plus
@@ -104,6 +63,7 @@ def test_saved_bytes_match_cpu_allocations(keep):
 
     from ulysses_train.attention import register_ulysses_attention
     from ulysses_train.checkpointing import enable_checkpointing
+    from ulysses_train.memory_profile import MemoryTimeline
 
     config = tiny_config("qwen3")
     register_ulysses_attention(None, "sdpa")
@@ -115,12 +75,12 @@ def test_saved_bytes_match_cpu_allocations(keep):
         x = torch.randn(1, t, config.hidden_size, requires_grad=True)
         positions = torch.arange(t)[None]
         rotary = decoder.rotary_emb(x, positions)
-        with LiveBytes() as tracker:
+        with MemoryTimeline("cpu") as tracker:  # counts every allocation an op makes, and its free
             h = x
             for layer in decoder.layers:
                 h = layer(h, position_embeddings=rotary, position_ids=positions)
                 h = h[0] if isinstance(h, tuple) else h
-            alive[t] = tracker.live
+            alive[t] = tracker.live_bytes()
         outputs.append(h)  # keep the graph (and what it saved) alive until measured
     per_token = (alive[512] - alive[256]) / 256
     g = geometry(config)

@@ -84,6 +84,10 @@ class MemoryTimeline(TorchDispatchMode):
             self.clock += 1  # a free is an event too: a tensor made and dropped between two ops still shows
             self.blocks[index][1] = self.clock
 
+    def live_bytes(self) -> int:
+        """Bytes of the storages made under this mode that are still alive (the baseline not included)."""
+        return sum(nbytes for _, freed, nbytes, _, _ in self.blocks if freed is None)
+
     def category(self, block: list) -> str:
         made, freed, _, phase, forward = block
         if phase == "forward":
