@@ -24,6 +24,8 @@ from collections import defaultdict
 
 import torch
 
+from ulysses_train.phases import wrap_phases
+
 ATTN_FWD = ("scaled_dot_product_cudnn_attention", "scaled_dot_product_flash_attention",
             "scaled_dot_product_efficient_attention", "flash_attn_forward", "flash_attn_varlen_forward",
             "flash_attn_func", "_flash_attn_fwd")
@@ -72,37 +74,33 @@ def categorise(prof) -> dict[str, float]:
 
 
 class PhaseTimer:
-    """Wraps the engine's forward, backward and step with device-synchronised timers and profiler ranges."""
+    """Times the engine's forward, backward and step with device synchronisation at each boundary, and marks them
+    (and the loss head) as profiler ranges. `times`: one {"forward", "backward", "step": seconds} per optimizer step."""
+
+    LABELS = {"forward": "ulysses/forward", "backward": "ulysses/backward", "optimizer": "ulysses/optimizer_step",
+              "loss": "ulysses/loss"}
 
     def __init__(self, engine, loss_module=None):
         self.times: list[dict[str, float]] = []
         self._current: dict[str, float] = {}
-        for name, label in (("forward", "ulysses/forward"), ("backward", "ulysses/backward"),
-                            ("step", "ulysses/optimizer_step")):
-            setattr(engine, name, self._timed(getattr(engine, name), name, label))
-        if loss_module is not None:
-            loss_module.forward = self._ranged(loss_module.forward, "ulysses/loss")
+        wrap_phases(engine, loss_module, self._phase)
 
-    def _timed(self, fn, name: str, label: str):
-        def wrapper(*args, **kwargs):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.profiler.record_function(label):
-                out = fn(*args, **kwargs)
-            torch.cuda.synchronize()
-            self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - start
-            if name == "step":
-                self.times.append(self._current)
-                self._current = {}
-            return out
-        return wrapper
-
-    @staticmethod
-    def _ranged(fn, label: str):
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(label):
-                return fn(*args, **kwargs)
-        return wrapper
+    @contextlib.contextmanager
+    def _phase(self, phase: str):
+        if phase == "loss":  # inside the forward: a profiler range, not a timer of its own
+            with torch.profiler.record_function(self.LABELS[phase]):
+                yield
+            return
+        name = "step" if phase == "optimizer" else phase
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.profiler.record_function(self.LABELS[phase]):
+            yield
+        torch.cuda.synchronize()
+        self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - start
+        if name == "step":
+            self.times.append(self._current)
+            self._current = {}
 
 
 @contextlib.contextmanager

@@ -46,7 +46,6 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES):
         self.min_bytes = min_bytes
-        self.items: list[dict] = []
         self.groups: list[list[dict]] = [[]]
         self.cuda = torch.cuda.is_available()
         self.d2h = torch.cuda.Stream() if self.cuda else None
@@ -71,7 +70,6 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             item["done_d2h"] = self.d2h.record_event()
         else:
             item["host"] = t.detach().clone()
-        self.items.append(item)
         self.groups[-1].append(item)
         self.host_bytes += t.numel() * t.element_size()
         return item
@@ -103,7 +101,6 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         return back
 
     def reset(self) -> None:
-        self.items.clear()
         self.groups = [[]]
         self.host_bytes = 0
 

@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .phases import wrap_phases
+
 CATEGORIES = ("model states", "optimizer", "checkpoints", "activations", "recomputed layer", "loss", "gradients",
               "other")
 
@@ -163,33 +165,25 @@ class MemoryProfiler:
         engine = self.trainer.engine
         baseline = _live_storage_bytes(engine, self.trainer.device.type)
         self.timeline = MemoryTimeline(self.trainer.device.type, baseline)
-        for name, phase in (("forward", "forward"), ("backward", "backward"), ("step", "optimizer")):
-            setattr(engine, name, self._phased(getattr(engine, name), phase))
-        head = self.trainer.module.model.get_output_embeddings()
-        head.forward = self._phased(head.forward, "loss")
+        wrap_phases(engine, self.trainer.module.model.get_output_embeddings(), self._phase)
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         self.timeline.__enter__()
 
-    def _phased(self, fn, phase: str):
-        def wrapper(*args, **kwargs):
-            if self.timeline is None:
-                return fn(*args, **kwargs)
-            with self.timeline.in_phase(phase):
-                return fn(*args, **kwargs)
-        return wrapper
+    def _phase(self, phase: str):
+        return self.timeline.in_phase(phase) if self.timeline is not None else contextlib.nullcontext()
 
     def stop(self, write: bool) -> Optional[dict]:
         timeline, self.timeline = self.timeline, None
         timeline.__exit__(None, None, None)
+        if write:
+            os.makedirs(self.out_dir, exist_ok=True)
         if self.cuda:
             if write:
-                os.makedirs(self.out_dir, exist_ok=True)
                 torch.cuda.memory._dump_snapshot(os.path.join(self.out_dir, "snapshot.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         if not write:
             return None
-        os.makedirs(self.out_dir, exist_ok=True)
         series = timeline.series()
         peaks = {c: v / 2**30 for c, v in series.pop("peaks").items()}
         total = [sum(v[i] for v in series["bytes"].values()) for i in range(len(series["ops"]))]
