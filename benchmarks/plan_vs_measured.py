@@ -21,6 +21,8 @@ for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs
     levers = Levers(keep_attention=r["keep_attention"], offload_activations="--offload_activations" in argv,
                     tiled_mlp="on" in argv or ("off" not in argv and t * config.intermediate_size * 2 > 2 * GiB),
                     bf16_states="ds_configs/zero3_bf16_states.json" in argv,
+                    offload_optimizer="ds_configs/zero3_offload.json" in argv,
+                    gqa_native=r.get("gqa_native", False),  # k and v were expanded before 2026-11-30 (session 3)
                     offload_kept=r.get("kept_offloaded", False),  # results before the change kept them on the GPU
                     lean_norm=r.get("lean_norm", False))  # and had transformers' norms
     est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB

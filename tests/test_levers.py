@@ -94,3 +94,24 @@ def test_levers_do_not_change_loss_or_gradients(sp):
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert offloaded[False, True] >= layers * layer_input  # every checkpointed layer's input went out
     assert offloaded[True, True] >= offloaded[False, True] + layers * attention_out  # and every kept output
+
+
+@pytest.mark.parametrize("layout", ["list", "dict"])
+def test_kept_output_offload_handles_both_cache_layouts(layout):
+    """torch 2.11's selective-checkpoint cache holds a list of outputs per op, later versions a dict keyed by call
+    index: both must have their tensors swapped for host copies (the 2.11 layout broke the H200 runs once)."""
+    from ulysses_train.checkpointing import HostOffload, _HostCopy, _OffloadKeptOutputs
+
+    class Entry:  # stands in for torch's _VersionWrapper
+        def __init__(self, t):
+            self.val = t
+
+    kept = torch.arange(1 << 18, dtype=torch.float32)
+    storage = {"attention": [Entry(kept)] if layout == "list" else {0: Entry(kept)}}
+    offload = HostOffload(min_bytes=0)
+    mode = _OffloadKeptOutputs.__new__(_OffloadKeptOutputs)
+    mode.storage, mode.offload = storage, offload
+    mode._offload_new_entries()
+    entry = storage["attention"][0]
+    assert isinstance(entry, _HostCopy) and offload.host_bytes == kept.numel() * 4
+    assert torch.equal(entry.get_val(), kept)

@@ -29,9 +29,15 @@ def test_components_by_hand():
     assert offloaded["gpu"]["checkpoints"] == 0
     assert offloaded["gpu"]["kept attention"] == 0  # the offload takes the kept attention outputs too
     assert offloaded["host"]["offloaded checkpoints"] == 4 * 2 * t * (64 * 2 + 64 * 2 + 8 * 4)  # 4 ranks on the host
-    plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False))["gpu"]["layer working set"]
-    lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True))["gpu"]["layer working set"]
+    plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False, gqa_native=False))["gpu"]["layer working set"]
+    lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True, gqa_native=False))["gpu"]["layer working set"]
     assert plain_norms - lean_norms == 4 * t * (64 + 64 + 32)  # fp32 copies: input norm, q norm, k norm
+    from ulysses_train.plan import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA
+
+    wide_attention = dict(g, inter=8)  # so that attention, not the MLP, is the larger part of the layer
+    expanded = estimate(wide_attention, 1024, 4, 2, Levers(gqa_native=False))["gpu"]["layer working set"]
+    native = estimate(wide_attention, 1024, 4, 2, Levers(gqa_native=True))["gpu"]["layer working set"]
+    assert expanded - native == pytest.approx((ATTENTION_TENSORS - ATTENTION_TENSORS_GQA) * t * 64 * 2)
     wide_mlp = dict(g, inter=64 * 64)  # so that the MLP, not attention, is the larger part of the layer
     tiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers(tiled_mlp=True))
     untiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers())
@@ -52,6 +58,41 @@ def test_cli_says_when_nothing_fits(capsys):
     assert "nothing fits" in capsys.readouterr().out
     assert main(["--model_config", "qwen3-4b", "--seq_len", "65536", "--gpus", "1"]) == 0
     assert "fits with --sp_size 1" in capsys.readouterr().out
+
+
+def test_ds_config_fixes_zero_stage_and_optimizer(tmp_path, capsys):
+    import json
+
+    from ulysses_train.plan import ds_config_choices
+
+    g = geometry(tiny_config("qwen3"))
+    n, gathered = g["params"], 4 * g["layer_params"]
+    by_stage = {s: estimate(g, 1024, 4, 1, Levers(), zero_stage=s)["gpu"]["model states"] for s in (0, 1, 2, 3)}
+    assert by_stage[0] == pytest.approx(16 * n)  # nothing partitioned, no gathering
+    assert by_stage[1] == pytest.approx(4 * n + 12 * n / 4)  # optimizer states partitioned
+    assert by_stage[2] == pytest.approx(2 * n + 14 * n / 4)  # and gradients
+    assert by_stage[3] == pytest.approx(16 * n / 4 + gathered)  # and weights, gathered a layer (and the next) at a time
+    offload = estimate(g, 1024, 4, 1, Levers(offload_optimizer=True), zero_stage=2)
+    assert offload["gpu"]["model states"] == pytest.approx(2 * n)  # stage 2: weights whole; gradients go to the host
+    assert offload["host"]["optimizer offload"] == pytest.approx(4 * 18 * n / 4)  # the four ranks share the host
+
+    assert ds_config_choices("ds_configs/zero3_offload.json") == dict(zero_stage=3, offload_optimizer=True,
+                                                                       bf16_states=False)
+    assert ds_config_choices("ds_configs/zero3_bf16_states.json") == dict(zero_stage=3, offload_optimizer=False,
+                                                                          bf16_states=True)
+    stage2 = tmp_path / "z2.json"
+    stage2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert main(["--model_config", "qwen3-4b", "--seq_len", "65536", "--ds_config", str(stage2), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert str(stage2) in out["levers"]
+    assert out["estimate"]["gpu"]["model states"] == pytest.approx(
+        estimate(geometry_4b(), 65536, 1, 1, Levers(), zero_stage=2)["gpu"]["model states"])
+
+
+def geometry_4b():
+    from ulysses_train.models import load_model_config
+
+    return geometry(load_model_config(None, "qwen3-4b", None))
 
 
 @pytest.mark.parametrize("keep", [False, True])

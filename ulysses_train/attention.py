@@ -51,11 +51,15 @@ def _per_document(kernel, q, k, v, scale, docs):
 def _sdpa(q, k, v, scale: float, docs=None) -> torch.Tensor:
     if docs is not None:
         return _per_document(_sdpa, q, k, v, scale, docs)
-    if k.shape[1] != q.shape[1]:
-        # expand rather than enable_gqa: cuDNN, PyTorch's fastest SDPA backend on Hopper, takes equal head counts
-        rep = q.shape[1] // k.shape[1]
-        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+    if k.shape[1] != q.shape[1] and q.is_cuda and q.dtype == torch.float32:
+        # fp32 on CUDA: no fused backend takes GQA, and the math fallback would hold the whole score matrix (and
+        # escape --attn_recompute never): give every query head its own k and v instead
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    # GQA without copying k and v to every query head: cuDNN takes it at the same speed (H200, torch 2.11: 0.22 s
+    # forward+backward at 64k tokens either way) and the copies and their gradients cost 2 x (heads - kv) x s x d
+    # each (benchmarks/attn_bench.py, docs/benchmarks.md)
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).transpose(1, 2)
 
 
 def _flash_attn(q, k, v, scale: float, docs=None) -> torch.Tensor:
@@ -97,12 +101,12 @@ def kernel_available(name: str) -> bool:
 
 
 def resolve_kernel(name: str, device_type: str) -> str:
-    """`auto` picks the fastest kernel present: on Hopper, FA4 > SDPA (dispatched to cuDNN, ~560 TFLOP/s measured)
-    > FA2 (~325). On CPU only SDPA runs. An explicit choice that is not installed is an error naming the flag."""
+    """`auto` is SDPA, which PyTorch dispatches to cuDNN on Hopper (526 TFLOP/s forward+backward measured at 64k-131k
+    tokens on the H200, docs/benchmarks.md); FA2 measured ~325. FA4 is opt-in: selective checkpointing sees only
+    registered ops, and FA4's kernels are not, so `--attn_recompute never` cannot keep its outputs. An explicit choice that
+    is not installed is an error naming the flag."""
     if name == "auto":
-        if device_type != "cuda":
-            return "sdpa"
-        return "flash_attn_4" if kernel_available("flash_attn_4") else "sdpa"
+        return "sdpa"
     if name not in KERNELS:
         raise ConfigError(f"--attn_kernel {name}: choose one of auto, {', '.join(KERNELS)}")
     if not kernel_available(name):

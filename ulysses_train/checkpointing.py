@@ -134,8 +134,10 @@ class _OffloadKeptOutputs(TorchDispatchMode):
 
     def _offload_new_entries(self) -> None:
         for entries in self.storage.values():
-            for idx, entry in entries.items():
-                entries[idx] = _offload_entry(entry, self.offload)
+            # torch 2.11 keeps a list of outputs per op, later versions a dict keyed by call index
+            keys = entries.keys() if isinstance(entries, dict) else range(len(entries))
+            for idx in keys:
+                entries[idx] = _offload_entry(entries[idx], self.offload)
 
 
 def _offload_entry(entry, offload: HostOffload):

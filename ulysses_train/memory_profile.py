@@ -3,7 +3,8 @@
 Writes under `<output_dir>/memory/` (rank 0):
 * `memory.png`: live tensor memory over the profiled steps (x: operations in order), stacked by category;
 * `memory.json`: the same series, and the peak of each category;
-* `snapshot.pickle` on CUDA: PyTorch's own allocator history (drag it onto https://pytorch.org/memory_viz).
+* `snapshot.pickle` on CUDA: PyTorch's own allocator history, without stack traces (see `MemoryProfiler.start`;
+  drag it onto https://pytorch.org/memory_viz).
 
 Why our own tracker beside PyTorch's: the CUDA snapshot knows allocations and stack frames but not what a tensor is
 for, and exists on CUDA only. A dispatch mode sees every tensor an op creates and the phase we are in, so it can
@@ -167,7 +168,11 @@ class MemoryProfiler:
         self.timeline = MemoryTimeline(self.trainer.device.type, baseline)
         wrap_phases(engine, self.trainer.module.model.get_output_embeddings(), self._phase)
         if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            # Allocations and frees only, no stack traces: capturing Python tracebacks while a checkpointed layer
+            # recomputes inside the backward breaks autograd.Function.apply in torch 2.11 ("returned NULL without
+            # setting an exception", pytorch/pytorch#179536; seen on the H200 with DeepSpeed's ZeRO-3 linear and
+            # TiledMLP). Our picture names the tensors; the snapshot still shows every block over time.
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=1_000_000)
         self.timeline.__enter__()
 
     def _phase(self, phase: str):
@@ -199,17 +204,24 @@ class MemoryProfiler:
 
 
 def _live_storage_bytes(engine, device_type: str) -> int:
-    """Bytes of the distinct storages the engine holds before profiling: weights (or ZeRO partitions), gradients
-    buffers and optimizer states that exist already."""
-    seen, total = set(), 0
+    """Bytes of the distinct storages the engine holds before profiling: weights (or ZeRO partitions), gradient
+    buffers and optimizer states that exist already. Every tensor an optimizer object holds in an attribute (or a
+    list, tuple or dict of them) counts, so DeepSpeed's flat buffers are found whatever their names
+    (`grad_partitions_flat_buffer`, `lp_param_buffer`, bucket buffers, ...): missing ZeRO-3's gradient partition
+    once left 2 bytes per parameter out of the H200 picture."""
     tensors = list(engine.module.parameters()) + list(engine.module.buffers())
     tensors += [getattr(p, "ds_tensor", None) for p in engine.module.parameters()]
     optimizer = getattr(engine, "optimizer", None)
     for obj in (optimizer, getattr(optimizer, "optimizer", None)):
-        for state in getattr(obj, "state", {}).values() if obj is not None else ():
+        if obj is None:
+            continue
+        for state in getattr(obj, "state", {}).values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    for name in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "bit16_groups_flat"):
-        tensors += list(getattr(optimizer, name, None) or [])
+        for value in vars(obj).values():
+            tensors += _tensors_in(value)
+            for bucket in value.values() if isinstance(value, dict) else ():
+                tensors += _tensors_in(getattr(bucket, "buffer", None))  # DeepSpeed's reduce buckets
+    seen, total = set(), 0
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == device_type and t.untyped_storage().nbytes():
             key = t.untyped_storage().data_ptr()
@@ -217,3 +229,13 @@ def _live_storage_bytes(engine, device_type: str) -> int:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
     return total
+
+
+def _tensors_in(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return []

@@ -14,7 +14,8 @@ import itertools
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 GiB = 2**30
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -26,6 +27,12 @@ CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator sl
 # reaches ~16: q, k and v after projection, the norms' bf16 outputs, rotary temporaries, k and v expanded to all
 # heads, the output and its layout copy, dq, expanded dk and dv, cuDNN's fp32 dq accumulator (2).
 ATTENTION_TENSORS = 16.25
+# The same block with GQA handed to the kernel as is (`enable_gqa`, the default since 2026-11-30 for bf16/fp16),
+# instead of k and v copied to every query head: measured on the H200 at 8.5 units (131k tokens, SP=1) and 6.5
+# (1M tokens, SP=2); 7.5 is used (docs/memory.md). More than the copies themselves (k, v, dk, dv at full width,
+# 4 units): the expanded path also held cuDNN's full-width gradient buffers. Models without GQA keep 16.25
+# (not measured without the copies).
+ATTENTION_TENSORS_GQA = 7.5
 
 
 @dataclass
@@ -37,13 +44,16 @@ class Levers:
     offload_optimizer: bool = False
     offload_kept: bool = True  # with offload_activations, the kept attention outputs go too (False: before 2026-11-30b)
     lean_norm: bool = True  # --lean_norm (False for the runs measured before it existed)
+    gqa_native: bool = True  # k and v not expanded to every head (False: runs before 2026-11-30, and fp32 on CUDA)
 
-    def describe(self) -> str:
+    def describe(self, ds_config: Optional[str] = None) -> str:
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
         if self.offload_activations:
             flags.append("--offload_activations")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
-        if self.offload_optimizer:
+        if ds_config:
+            flags.append(f"--ds_config {ds_config}")
+        elif self.offload_optimizer:
             flags.append("--ds_config ds_configs/zero3_offload.json")
         elif self.bf16_states:
             flags.append("--ds_config ds_configs/zero3_bf16_states.json")
@@ -69,19 +79,23 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     """Bytes per GPU (and per host, for all local ranks' offloads) of each component."""
     t = math.ceil(seq_len / sp)  # tokens per rank
     n, b = g["params"], act_bytes
-    shard = gpus if zero_stage == 3 else 1
-    if levers.offload_optimizer:  # bf16 weights and gradients on the GPU; fp32 master + Adam + fp32 grads on the host
-        gpu_states, host_states = (2 * n) / shard + 2 * n / gpus, 16 * n / gpus
-    else:  # fp32: bf16 weight + fp32 master + fp32 Adam m, v + bf16 grad; bf16 states: 2 + 2 + 4 + 2
-        per_param = 10 if levers.bf16_states else 16
-        gpu_states, host_states = 2 * n / shard + (per_param - 2) * n / gpus, 0
-    gathered = 2 * 2 * g["layer_params"]  # a layer being used and the next one prefetched (ZeRO-3)
+    # ZeRO partitions optimizer states from stage 1, gradients from stage 2, weights at stage 3, over all GPUs
+    w_div, g_div, o_div = (gpus if zero_stage >= k else 1 for k in (3, 2, 1))
+    if levers.offload_optimizer:
+        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
+        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
+        gpu_states, host_states = 2 * n / w_div, 18 * n / o_div
+    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + 2 + 4
+        optimizer = 6 if levers.bf16_states else 12
+        gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
+    gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
     checkpoints = g["layers"] * t * g["hidden"] * b
     # kept attention: the output, and the log-sum-exp (fp32 per head)
     kept = g["layers"] * t * (g["attn_width"] * b + g["heads"] * 4) if levers.keep_attention else 0
     # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
     norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
-    attention = ATTENTION_TENSORS * t * g["attn_width"] * b + norm_copies
+    units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
+    attention = units * t * g["attn_width"] * b + norm_copies
     mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
     mlp = 6 * mlp_rows * g["inter"] * b  # gate, up, act, product + two gradients
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
@@ -114,10 +128,35 @@ LEVER_LADDER = [  # cheapest first: what each costs in step time, as measured (d
 ]
 
 
-def plan(g: dict, seq_len: int, gpus: int, sp_sizes, gpu_mem: float, host_mem: float) -> tuple:
+def ds_config_choices(path: str) -> dict:
+    """What a DeepSpeed JSON fixes for the planner: ZeRO stage, bf16 optimizer states, optimizer on the CPU."""
+    with open(path) as f:
+        ds = json.load(f)
+    zero = ds.get("zero_optimization", {})
+    bf16 = ds.get("bf16", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    return {"zero_stage": int(zero.get("stage", 0)), "offload_optimizer": offload,
+            "bf16_states": bool(bf16.get("bf16_master_weights_and_grads") and bf16.get("bf16_optimizer_states"))}
+
+
+def _ladder(fixed: Optional[dict]) -> list:
+    """The lever ladder; with a DeepSpeed config its optimizer choices replace the ladder's, duplicates dropped."""
+    if not fixed:
+        return LEVER_LADDER
+    rungs = []
+    for levers in LEVER_LADDER:
+        rung = replace(levers, bf16_states=fixed["bf16_states"], offload_optimizer=fixed["offload_optimizer"])
+        if rung not in rungs:
+            rungs.append(rung)
+    return rungs
+
+
+def plan(g: dict, seq_len: int, gpus: int, sp_sizes, gpu_mem: float, host_mem: float,
+         ds_choices: Optional[dict] = None) -> tuple:
     tried = []
-    for sp, levers in itertools.product(sp_sizes, LEVER_LADDER):
-        est = estimate(g, seq_len, gpus, sp, levers)
+    zero_stage = (ds_choices or {}).get("zero_stage", 3)
+    for sp, levers in itertools.product(sp_sizes, _ladder(ds_choices)):
+        est = estimate(g, seq_len, gpus, sp, levers, zero_stage=zero_stage)
         fits = est["gpu_total"] <= 0.95 * gpu_mem and est["host_total"] <= host_mem
         tried.append((sp, levers, est, fits))
         if fits:
@@ -147,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--sp_size", type=int, default=None)
     p.add_argument("--gpu_mem_gib", type=float, default=139.7, help="default: an H200")
     p.add_argument("--host_mem_gib", type=float, default=125.0, help="per host")
+    p.add_argument("--ds_config", default=None,
+                   help="a DeepSpeed JSON: its ZeRO stage and optimizer precision/offload are used as given "
+                        "(default: ZeRO-3, and the planner picks the optimizer states)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
@@ -154,9 +196,11 @@ def main(argv=None) -> int:
     if not sizes:
         print(f"error: no valid --sp_size for {a.gpus} GPUs and {g['heads']} heads / {g['kv']} KV heads")
         return 2
-    sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB)
+    ds_choices = ds_config_choices(a.ds_config) if a.ds_config else None
+    sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
+                                  ds_choices)
     if a.json:
-        print(json.dumps({"sp_size": sp, "levers": levers and levers.describe(), "estimate": est}, default=str))
+        print(json.dumps({"sp_size": sp, "levers": levers and levers.describe(a.ds_config), "estimate": est}, default=str))
         return 0 if sp else 1
     print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
     if sp is None:
@@ -166,7 +210,7 @@ def main(argv=None) -> int:
         print(_table(worst["gpu"].items()))
         print("use more GPUs, a shorter --seq_len, or fewer layers")
         return 1
-    print(f"fits with --sp_size {sp} {levers.describe()}  ({est['tokens_per_rank']:,} tokens per rank)")
+    print(f"fits with --sp_size {sp} {levers.describe(a.ds_config)}  ({est['tokens_per_rank']:,} tokens per rank)")
     print("per GPU:")
     print(_table(list(est["gpu"].items()) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
     print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")
