@@ -7,13 +7,15 @@
 #   call 2:    carry [".fa4b", ".whl"], command starting with:
 #              cp .fa4b/* /tmp/fa4/ && cat /tmp/fa4/part_* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
 #              && rm /tmp/fa4/part_* && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/fa4/*.whl .whl/*.whl \
-#              && export PYTHONPATH=/tmp/site:$PWD
+#              && export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+# (the DSL's packages sit under nvidia_cutlass_dsl/dsl_packages and are found through a .pth file, which a --target
+# install does not run; `cutlass.cute` itself is in nvidia-cutlass-dsl-libs-core, which session 3 lacked)
 set -euo pipefail
 dl=$(mktemp -d)
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform any)
 python3 -m pip download -q --no-deps --pre "${plat[@]}" -d "$dl" "flash-attn-4==4.0.0b36" "nvidia-cutlass-dsl==4.8.1" \
-  "nvidia-cutlass-dsl-libs-base==4.8.1" "nvidia-cutlass-dsl-libs-cu13==4.8.1" "apache-tvm-ffi<0.2,>=0.1.11" \
+  "nvidia-cutlass-dsl-libs-base==4.8.1" "nvidia-cutlass-dsl-libs-core==4.8.1" "nvidia-cutlass-dsl-libs-cu13==4.8.1" "apache-tvm-ffi<0.2,>=0.1.11" \
   "torch-c-dlpack-ext" "quack-kernels>=0.5.3"
 rm -rf .fa4a .fa4b && mkdir -p .fa4a .fa4b
 for d in /.fa4a/ /.fa4b/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 3 (2026-11-30), call 2 on nvidia-h200-x2 (call 1 again after the torch 2.11 fix): the two-GPU issue's
-# runs (GPU tests over NCCL, 131k SP=2 ours
-# and TRL's ALST side by side, 1M tokens x 2 layers with the memory profile of its first step).
+# Session 3 (2026-11-30), call 2 on nvidia-h200-x2: the two-GPU issue's runs (GPU tests over NCCL, 131k SP=2
+# ours and TRL's ALST side by side, 1M tokens x 2 layers with the memory profile of its first step). Call 1 ran
+# this same script before the torch 2.11 fix of the kept-output offload, and its runs of ours failed on it.
 # Carries .whl and .fa4a (FA4's first half, for call 3).
 set -u
 mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2>/dev/null
