@@ -101,10 +101,10 @@ def kernel_available(name: str) -> bool:
 
 
 def resolve_kernel(name: str, device_type: str) -> str:
-    """`auto` is SDPA, which PyTorch dispatches to cuDNN on Hopper (526 TFLOP/s forward+backward measured at 64k-131k
+    """`auto` is SDPA, which PyTorch dispatches to cuDNN on Hopper (540-563 TFLOP/s forward+backward at 64k-131k
     tokens on the H200, docs/benchmarks.md); FA2 measured ~325. FA4 is opt-in: selective checkpointing sees only
-    registered ops, and FA4's kernels are not, so `--attn_recompute never` cannot keep its outputs. An explicit choice that
-    is not installed is an error naming the flag."""
+    registered ops, and FA4's kernels are not, so `--attn_recompute never` cannot keep its outputs. An explicit
+    choice that is not installed is an error naming the flag."""
     if name == "auto":
         return "sdpa"
     if name not in KERNELS:

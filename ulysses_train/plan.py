@@ -200,7 +200,8 @@ def main(argv=None) -> int:
     sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
                                   ds_choices)
     if a.json:
-        print(json.dumps({"sp_size": sp, "levers": levers and levers.describe(a.ds_config), "estimate": est}, default=str))
+        print(json.dumps({"sp_size": sp, "levers": levers and levers.describe(a.ds_config), "estimate": est},
+                         default=str))
         return 0 if sp else 1
     print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
     if sp is None:
