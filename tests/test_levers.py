@@ -4,6 +4,8 @@ kernel runs once per layer instead of twice, which we count at the dispatcher; t
 and with kept attention its outputs too, which we count in bytes (on CPU the "host" copy is a plain copy, so the
 bookkeeping and the exactness are what is tested here; tests/test_gpu.py runs the CUDA streams)."""
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,3 +117,23 @@ def test_kept_output_offload_handles_both_cache_layouts(layout):
     entry = storage["attention"][0]
     assert isinstance(entry, _HostCopy) and offload.host_bytes == kept.numel() * 4
     assert torch.equal(entry.get_val(), kept)
+
+
+def test_pinned_pool_buffers_are_exact_and_reused_each_step():
+    """The offload's host buffers have exactly the tensor's size (PyTorch's pinned allocator would round them up to a
+    power of two), and a step that asks for the same sizes again takes the buffers the last step gave back."""
+    from ulysses_train.checkpointing import PinnedPool
+
+    pool = PinnedPool(pin=False)
+    shapes = [((3, 5), torch.bfloat16), ((640, 7), torch.float32), ((3, 5), torch.bfloat16)]
+    first = [pool.take(shape, dtype) for shape, dtype in shapes]
+    for buf, (shape, dtype) in zip(first, shapes):
+        assert buf.shape == shape and buf.dtype == dtype
+        assert buf.untyped_storage().nbytes() == math.prod(shape) * dtype.itemsize
+    assert pool.bytes == 2 * 30 + 640 * 7 * 4
+    first[1].copy_(torch.arange(640 * 7, dtype=torch.float32).view(640, 7))
+    pool.give_back_all()
+    second = [pool.take(shape, dtype) for shape, dtype in shapes]
+    assert pool.bytes == 2 * 30 + 640 * 7 * 4  # nothing new
+    assert {b.data_ptr() for b in second} == {b.data_ptr() for b in first}
+    assert len({b.data_ptr() for b in second}) == 3  # two buffers of one size are two buffers

@@ -14,6 +14,9 @@
 from __future__ import annotations
 
 import functools
+import math
+import warnings
+from collections import defaultdict
 from typing import Optional
 
 import torch
@@ -37,6 +40,44 @@ def _keep_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class PinnedPool:
+    """Host buffers of exactly the requested size, pinned once and reused by every later step (same sizes return).
+
+    Why not `torch.empty(..., pin_memory=True)`: PyTorch's caching host allocator rounds each block up to a power of
+    two, so a 640 MiB checkpoint (131k tokens x 2560 x 2 bytes) pins 1 GiB. Measured on the H200 (docs/benchmarks.md,
+    session 3): host peak minus offloaded bytes was 8.9 GiB at 64k and 15.7 GiB at 131k, that is the rounding of 36
+    checkpoints (6.75 and 13.5 GiB) plus ~2 GiB of process. Here pageable memory is registered with CUDA
+    (cudaHostRegister, as torch's own checkpoint stager does); if that fails we fall back to torch's pinned memory.
+    `pin=False` gives plain host memory (what the tests exercise)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> idle buffers
+        self.lent: list[torch.Tensor] = []
+        self.bytes = 0  # all buffers, idle or lent
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = self.free[nbytes].pop() if self.free[nbytes] else self._new(nbytes)
+        self.lent.append(buf)
+        return buf.view(dtype).view(shape)
+
+    def give_back_all(self) -> None:
+        """After the backward: every buffer lent in this step is idle again."""
+        for buf in self.lent:
+            self.free[buf.numel()].append(buf)
+        self.lent = []
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        self.bytes += nbytes
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pin and int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+            warnings.warn("cudaHostRegister failed: offloaded tensors use PyTorch's pinned memory (rounded up to "
+                          "powers of two) instead")
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf
+
+
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors of the forward go to pinned host memory; the backward gets them back one layer ahead of use.
 
@@ -51,6 +92,7 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         self.d2h = torch.cuda.Stream() if self.cuda else None
         self.h2d = torch.cuda.Stream() if self.cuda else None
         self.host_bytes = 0
+        self.pool = PinnedPool(pin=self.cuda)
         super().__init__(self._pack, self._unpack)
 
     def start_group(self) -> None:
@@ -62,13 +104,13 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             return t
         item = {"device": t.device, "group": len(self.groups) - 1}
         if self.cuda:
-            item["host"] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            item["host"] = self.pool.take(t.shape, t.dtype)
             self.d2h.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.d2h):
                 item["host"].copy_(t, non_blocking=True)
                 t.record_stream(self.d2h)  # the allocator must not reuse t's memory before the copy is done
             item["done_d2h"] = self.d2h.record_event()
-        else:
+        else:  # clone, as the fetch does: selective checkpointing replays the ops it saw in the forward
             item["host"] = t.detach().clone()
         self.groups[-1].append(item)
         self.host_bytes += t.numel() * t.element_size()
@@ -101,6 +143,9 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         return back
 
     def reset(self) -> None:
+        """After the backward: this step's host buffers are free for the next (the compute stream has waited for
+        every copy back, and the next step's copies out are queued after it)."""
+        self.pool.give_back_all()
         self.groups = [[]]
         self.host_bytes = 0
 

@@ -1,6 +1,7 @@
 """Memory planner: will this run fit, which levers does it need, how many GPUs?
 
     python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ds_config F]
+    python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
 
 Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
 the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
@@ -164,6 +165,25 @@ def plan(g: dict, seq_len: int, gpus: int, sp_sizes, gpu_mem: float, host_mem: f
     return None, None, None, tried
 
 
+def longest_fit(g: dict, gpus: int, sp_sizes, gpu_mem: float, host_mem: float, ds_choices: Optional[dict] = None,
+                step: int = 8192) -> int:
+    """The longest sequence (a multiple of `step`) for which some rung of the ladder fits, 0 if none does. Every
+    component grows with the length, so whether anything fits is monotone in it: double, then bisect."""
+    def fits(n: int) -> bool:
+        return plan(g, n * step, gpus, sp_sizes, gpu_mem, host_mem, ds_choices)[0] is not None
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi):
+        hi *= 2
+    lo = hi // 2  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
 def valid_sp_sizes(g: dict, gpus: int, requested=None) -> list[int]:
     sizes = [requested] if requested else [d for d in range(1, gpus + 1) if gpus % d == 0]
     return [s for s in sizes if g["heads"] % s == 0 and (g["kv"] % s == 0 or s % g["kv"] == 0)]
@@ -181,7 +201,9 @@ def main(argv=None) -> int:
     p.add_argument("--model_config", default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--num_layers", type=int, default=None)
-    p.add_argument("--seq_len", type=int, required=True)
+    p.add_argument("--seq_len", type=int, default=None)
+    p.add_argument("--longest", action="store_true",
+                   help="instead of --seq_len: find the longest sequence (a multiple of 8192) that fits, and plan it")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--sp_size", type=int, default=None)
     p.add_argument("--gpu_mem_gib", type=float, default=139.7, help="default: an H200")
@@ -197,6 +219,14 @@ def main(argv=None) -> int:
         print(f"error: no valid --sp_size for {a.gpus} GPUs and {g['heads']} heads / {g['kv']} KV heads")
         return 2
     ds_choices = ds_config_choices(a.ds_config) if a.ds_config else None
+    if a.longest:
+        a.seq_len = longest_fit(g, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices)
+        if not a.seq_len:
+            print(f"nothing fits even at 8,192 tokens on {a.gpus} GPU(s) of {a.gpu_mem_gib} GiB")
+            return 1
+        print(f"longest sequence that fits: {a.seq_len:,} tokens")
+    elif a.seq_len is None:
+        p.error("give --seq_len N, or --longest")
     sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
                                   ds_choices)
     if a.json:
