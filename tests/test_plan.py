@@ -128,3 +128,18 @@ def test_saved_bytes_match_cpu_allocations(keep):
     e = estimate(g, seq_len=1, gpus=1, sp=1, levers=Levers(keep_attention=keep), act_bytes=4)
     planned = e["gpu"]["checkpoints"] + e["gpu"]["kept attention"]  # per token, as seq_len is 1
     assert per_token == pytest.approx(planned, rel=0.05)
+
+
+def test_longest_fits_and_one_step_more_does_not(capsys):
+    from ulysses_train.plan import longest_fit
+
+    g = geometry_4b()
+    sizes = valid_sp_sizes(g, 1)
+    longest = longest_fit(g, 1, sizes, gpu_mem=139.7 * GiB, host_mem=125 * GiB, step=8192)
+    assert longest > 0 and longest % 8192 == 0
+    assert plan(g, longest, 1, sizes, 139.7 * GiB, 125 * GiB)[0] is not None
+    assert plan(g, longest + 8192, 1, sizes, 139.7 * GiB, 125 * GiB)[0] is None
+    # more host memory lets the offloaded checkpoints of a longer sequence fit
+    assert longest_fit(g, 1, sizes, 139.7 * GiB, 238 * GiB) > longest
+    assert main(["--model_config", "qwen3-4b", "--longest"]) == 0
+    assert f"longest sequence that fits: {longest:,} tokens" in capsys.readouterr().out
