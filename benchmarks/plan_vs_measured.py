@@ -23,6 +23,7 @@ for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs
                     bf16_states="ds_configs/zero3_bf16_states.json" in argv,
                     offload_optimizer="ds_configs/zero3_offload.json" in argv,
                     gqa_native=r.get("gqa_native", False),  # k and v were expanded before 2026-11-30 (session 3)
+                    share_master=r.get("master_shared", False),  # DeepSpeed's separate master copy before then
                     offload_kept=r.get("kept_offloaded", False),  # results before the change kept them on the GPU
                     lean_norm=r.get("lean_norm", False))  # and had transformers' norms
     est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB

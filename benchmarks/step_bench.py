@@ -118,7 +118,7 @@ def main():
         "host_offload_gib": trainer.host_offload_gib, "losses": [r["loss"] for r in history],
         "keep_attention": trainer.keep_attention,
         "kept_offloaded": bool(trainer.keep_attention and trainer.offload is not None),
-        "lean_norm": bool(trainer.lean_norms),
+        "lean_norm": bool(trainer.lean_norms), "master_shared": trainer.master_freed_bytes > 0,
         "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
         else "cpu",
     }

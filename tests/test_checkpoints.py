@@ -49,7 +49,7 @@ def latest(out_dir):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    launch(out)
+    (out / "stdout.txt").write_text(launch(out).stdout)
     return out
 
 
@@ -88,6 +88,16 @@ def test_full_disk_is_reported_and_previous_checkpoint_stays_usable(straight, tm
     assert "step_00000003 is untouched" in text and latest(out) == "step_00000003"
     launch(out, ["--resume", "auto"])
     assert_same_run(straight, out)
+
+
+def test_shared_master_weights_train_exactly_as_a_separate_copy(straight, tmp_path):
+    """--share_master_weights (on in `straight`) lets the optimizer update the model's ZeRO-3 partition in place;
+    a run with DeepSpeed's separate master copy gives the same losses and weights, bit for bit."""
+    copy = tmp_path / "separate_master"
+    proc = launch(copy, ["--share_master_weights", "false"])
+    assert "master weights share" in (straight / "stdout.txt").read_text()
+    assert "master weights share" not in proc.stdout
+    assert_same_run(straight, copy)
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path):

@@ -72,6 +72,9 @@ def test_ds_config_fixes_zero_stage_and_optimizer(tmp_path, capsys):
     assert by_stage[1] == pytest.approx(4 * n + 12 * n / 4)  # optimizer states partitioned
     assert by_stage[2] == pytest.approx(2 * n + 14 * n / 4)  # and gradients
     assert by_stage[3] == pytest.approx(16 * n / 4 + gathered)  # and weights, gathered a layer (and the next) at a time
+    shared, copied = (estimate(g, 1024, 4, 1, Levers(bf16_states=True, share_master=share))["gpu"]["model states"]
+                      for share in (True, False))
+    assert shared == pytest.approx(8 * n / 4 + gathered) and copied - shared == pytest.approx(2 * n / 4)
     offload = estimate(g, 1024, 4, 1, Levers(offload_optimizer=True), zero_stage=2)
     assert offload["gpu"]["model states"] == pytest.approx(2 * n)  # stage 2: weights whole; gradients go to the host
     assert offload["host"]["optimizer offload"] == pytest.approx(4 * 18 * n / 4)  # the four ranks share the host

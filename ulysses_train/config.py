@@ -94,6 +94,9 @@ class TrainConfig:
                                 "backward, so its seq x intermediate tensors never exist whole. auto: on when one "
                                 "such tensor would exceed 2 GiB.", TILED_MLP)
     mlp_tile_tokens: int = _f(16384, "Tokens per MLP tile (per rank).")
+    share_master_weights: bool = _f(True, "ZeRO-3 with master weights in the model's dtype (bf16 states, or fp32): "
+                                          "the optimizer updates the model's partition in place instead of a copy "
+                                          "of it (2 bytes per parameter less in bf16; the same numbers).")
     lean_norm: bool = _f(True, "Llama-style RMSNorms save their input in the model dtype and one fp32 number per "
                                "row for the backward, instead of an fp32 copy of the input (4 bytes less per "
                                "element in bf16; the same forward, bit for bit).")

@@ -46,6 +46,7 @@ class Levers:
     offload_kept: bool = True  # with offload_activations, the kept attention outputs go too (False: before 2026-11-30b)
     lean_norm: bool = True  # --lean_norm (False for the runs measured before it existed)
     gqa_native: bool = True  # k and v not expanded to every head (False: runs before 2026-11-30, and fp32 on CUDA)
+    share_master: bool = True  # --share_master_weights: bf16 master weights are the model's partition (False: before)
 
     def describe(self, ds_config: Optional[str] = None) -> str:
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
@@ -86,8 +87,9 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
         # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
         gpu_states, host_states = 2 * n / w_div, 18 * n / o_div
-    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + 2 + 4
-        optimizer = 6 if levers.bf16_states else 12
+    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a
+        # master copy 2 unless --share_master_weights makes the model's partition the master
+        optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
         gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
     gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
     checkpoints = g["layers"] * t * g["hidden"] * b

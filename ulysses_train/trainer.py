@@ -25,6 +25,7 @@ from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
 from .lean_norm import install_lean_norms
 from .memory_profile import MemoryProfiler
+from .zero_master import share_master_weights
 from .rope import configure_rope
 from .tiled_mlp import enable_tiled_mlp, should_tile
 from .checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
@@ -228,6 +229,10 @@ class Trainer:
         engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
                                           self.module.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
                                           config=self.ds, mpu=self.groups)
+        self.master_freed_bytes = share_master_weights(engine.optimizer) if cfg.share_master_weights else 0
+        if self.master_freed_bytes:
+            self.log(f"master weights share the model's partition: {self.master_freed_bytes / 2**30:.2f} GiB freed "
+                     f"per rank")
         return engine
 
     def log(self, message: str) -> None:
