@@ -39,18 +39,20 @@ def _is_attention_op(name: str) -> bool:
 def kernel_category(kernel_name: str, ancestors: list[str]) -> str:
     """ancestors: op names from the launching op outwards."""
     joined = " | ".join(ancestors)
-    if "ulysses/optimizer_step" in joined:
+    k = kernel_name.lower()
+    if "ulysses/optimizer_step" in joined:  # an offloaded optimizer's copies are the optimizer's
         return "optimizer"
+    # host copies before attention: the kept attention outputs go to the host from inside the attention op's
+    # dispatch (on a side stream), so by their ancestors alone they would be filed as attention forward
+    if "memcpy" in k and ("dtoh" in k or "htod" in k):
+        return "copy_host"
     if "ulysses/loss" in joined:
         return "loss"
     for name in ancestors:
         if _is_attention_op(name):
             return "attention_bwd" if "backward" in name.lower() or "bwd" in name.lower() else "attention_fwd"
-    k = kernel_name.lower()
     if "nccl" in k:
         return "all_to_all" if "all_to_all" in joined or "alltoall" in k else "collective"
-    if "memcpy" in k and ("dtoh" in k or "htod" in k):
-        return "copy_host"
     if any(h in k for h in GEMM_HINTS):
         return "matmul"
     return "other"
