@@ -33,7 +33,7 @@ for part in "$@"; do
     env) nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)" ;;
     attn:*) IFS=: read -r _ label seqs <<< "$part"
       timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/attn_bench.py --json "$R/$label.json" --seq ${seqs//,/ } \
-        > "$R/$label.log" 2>&1; echo "[$label] rc=$?"; cat "$R/$label.log" | grep -v Warning | tail -n 12 ;;
+        > "$R/$label.log" 2>&1; echo "[$label] rc=$?"; grep -v Warning "$R/$label.log" | tail -n 12 ;;
     tests) timeout 300 python3 -m pytest -q -rs tests/test_gpu.py > "$R/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" ;;
     *=*) eval "$part" ;;  # NAME=VALUE sets a variable for the parts after it
     bench:*) IFS=: read -r _ label seq steps flags <<< "$part"; bench "$label" "$seq" "$steps" $flags ;;
