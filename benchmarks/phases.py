@@ -2,7 +2,8 @@
 
 Used by step_bench.py (`--phases`, `--profile_step N`). Phases are timed with a device synchronise at each
 boundary (forward+loss, backward with recompute, optimizer step), on every step. The profiler runs for one step
-and files each GPU kernel under the first of these that its launching op (or an op above it) matches:
+and files each GPU kernel (each once, from the GPU's own events) under the first of these that its name or its
+launching op (or an op above it) matches:
 
     optimizer      under `ulysses/optimizer_step` (the engine's step: unscale, clip, Adam, cast)
     loss           under `ulysses/loss` (the fused chunked head + cross-entropy)
@@ -28,7 +29,7 @@ from ulysses_train.phases import wrap_phases
 
 ATTN_FWD = ("scaled_dot_product_cudnn_attention", "scaled_dot_product_flash_attention",
             "scaled_dot_product_efficient_attention", "flash_attn_forward", "flash_attn_varlen_forward",
-            "flash_attn_func", "_flash_attn_fwd")
+            "flash_attn_func", "_flash_attn_fwd", "ulysses::fa4")  # ulysses::fa4_fwd and ulysses::fa4_bwd
 GEMM_HINTS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "wgmma")
 
 
@@ -46,6 +47,12 @@ def kernel_category(kernel_name: str, ancestors: list[str]) -> str:
     # dispatch (on a side stream), so by their ancestors alone they would be filed as attention forward
     if "memcpy" in k and ("dtoh" in k or "htod" in k):
         return "copy_host"
+    # attention kernels by name first: FA4's kernels are launched through the CUDA driver from Python, and the
+    # profiler links some of them to a neighbouring op (session 4: 7 of 36 backward and 2 of 36 forward kernels)
+    if "flash_fprop" in k or "flashattentionforward" in k:
+        return "attention_fwd"
+    if "flash_bprop" in k or "flashattentionbackward" in k:
+        return "attention_bwd"
     if "ulysses/loss" in joined:
         return "loss"
     for name in ancestors:
@@ -66,13 +73,71 @@ def _ancestors(event) -> list[str]:
     return names
 
 
-def categorise(prof) -> dict[str, float]:
-    """Seconds of GPU kernel time per category, from a finished torch.profiler.profile."""
-    seconds: dict[str, float] = defaultdict(float)
+def categorise(prof, top: int = 40) -> dict:
+    """From a finished torch.profiler.profile: seconds of GPU time per category (`categories`), and the `top`
+    kernels by time as [category, kernel name, launches, seconds] (`top`), to see what a category holds."""
+    launchers: dict[int, tuple[int, list[str]]] = {}  # correlation id -> (depth, ancestors) of the launching op
     for event in prof.events():
-        for kernel in getattr(event, "kernels", []):
-            seconds[kernel_category(kernel.name, _ancestors(event))] += kernel.duration / 1e6
-    return dict(seconds)
+        ancestors = _ancestors(event)
+        if event.id not in launchers or len(ancestors) > launchers[event.id][0]:
+            launchers[event.id] = (len(ancestors), ancestors)
+    kernels = [(e.name(), e.duration_ns() / 1e9, e.linked_correlation_id()) for e in _gpu_events(prof)]
+    return categorise_kernels(kernels, {cid: anc for cid, (_, anc) in launchers.items()}, top)
+
+
+def categorise_kernels(kernels: list[tuple[str, float, int]], launchers: dict[int, list[str]], top: int = 40) -> dict:
+    """kernels: (name, seconds, correlation id of the launch), each GPU kernel or copy once; launchers: correlation
+    id -> op names from the launching op outwards. Why from the GPU events and not from each op's kernel list: the
+    profiler hands a kernel to every op event that carries the launch's correlation id, and an op re-dispatched by a
+    TorchDispatchMode (the checkpoint's caching mode, our offload of kept outputs) carries it twice; session 3's
+    breakdown counted 34 of 36 attention forwards twice that way (4.07 s against the 2.08 s of the 36 kernels in
+    the Chrome trace)."""
+    seconds: dict[str, float] = defaultdict(float)
+    by_kernel: dict[tuple[str, str], list] = {}
+    for name, secs, correlation in kernels:
+        category = kernel_category(name, launchers.get(correlation, []))
+        seconds[category] += secs
+        entry = by_kernel.setdefault((category, name[:120]), [0, 0.0])
+        entry[0] += 1
+        entry[1] += secs
+    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"categories": dict(seconds), "top": [[c, n, k, round(s, 4)] for (c, n), (k, s) in ranked]}
+
+
+def _gpu_events(prof) -> list:
+    """Kernels, copies and memsets on the GPU; not the GPU-side ranges of our record_function annotations."""
+    return [e for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+            and not e.is_user_annotation() and not e.name().startswith(("ProfilerStep#", "ulysses/"))]
+
+
+def busy_seconds(intervals: list[tuple[int, int]]) -> float:
+    """Length of the union of [start, end) intervals given in nanoseconds, in seconds."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total / 1e9
+
+
+def stream_busy(prof) -> dict:
+    """How busy the GPU was during the profiled step: per CUDA stream, the union of its kernels' and copies'
+    intervals, and the union over all streams (`any`), next to the span from first to last GPU event (`span`).
+    The main stream's idle time is time the step waited on the host (launches, synchronisations)."""
+    per_stream: dict[str, list] = defaultdict(list)
+    for event in _gpu_events(prof):
+        per_stream[f"stream {event.device_resource_id()}"].append((event.start_ns(), event.end_ns()))
+    everything = [iv for ivs in per_stream.values() for iv in ivs]
+    if not everything:
+        return {}
+    result = {name: round(busy_seconds(ivs), 3) for name, ivs in per_stream.items()}
+    result["any"] = round(busy_seconds(everything), 3)
+    result["span"] = round((max(e for _, e in everything) - min(s for s, _ in everything)) / 1e9, 3)
+    return result
 
 
 class PhaseTimer:
@@ -128,5 +193,6 @@ def profile_one_step(trainer, step: int, trace_path: str | None):
         prof.stop()
         trainer.train_micro_step = original
         result.update(categorise(prof))
+        result["streams"] = stream_busy(prof)
         if trace_path:
             prof.export_chrome_trace(trace_path)

@@ -70,6 +70,10 @@ def print_breakdown(result: dict) -> None:
         floor = f"{work / peak:9.2f}" if work else f"{'':9}"
         print(f"{name:<14}{secs:8.2f}{rate}{floor}")
     print(f"{'sum':<14}{sum(result['kernel_s'].values()):8.2f}  (step {result['median_step_s']:.2f} s)")
+    if result.get("gpu_streams"):
+        print("GPU busy (s, union of intervals): " + ", ".join(f"{k} {v:.2f}" for k, v in result["gpu_streams"].items()))
+    for category, name, launches, secs in result.get("kernel_top", [])[:15]:
+        print(f"  {secs:7.3f} s {launches:6d}x  {category:<13} {name[:80]}")
 
 
 def main():
@@ -92,6 +96,8 @@ def main():
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, explicit = parse_args(argv[split + 1:])
     normalise_launcher_env()
+    if torch.cuda.is_available():  # each rank measures its own GPU (before the trainer sets it, all used GPU 0)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     ceiling = matmul_ceiling_tflops() if torch.cuda.is_available() else float("nan")
     trainer = Trainer(cfg, explicit)
     cuda = torch.cuda.is_available()
@@ -119,8 +125,12 @@ def main():
         "keep_attention": trainer.keep_attention,
         "kept_offloaded": bool(trainer.keep_attention and trainer.offload is not None),
         "lean_norm": bool(trainer.lean_norms), "master_shared": trainer.master_freed_bytes > 0,
-        "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-        else "cpu",
+        "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels.get("categories", {}),
+        "kernel_top": kernels.get("top", []), "gpu_streams": kernels.get("streams", {}),
+        "tiled_mlp": bool(trainer.tiled_mlp), "attn_kernel": trainer.attention.kernel_name,
+        # GQA reaches the kernel without k/v copies: FA4 always, SDPA in bf16/fp16 (attention._sdpa)
+        "gqa_native": trainer.attention.kernel_name == "flash_attn_4" or trainer.dtype != torch.float32,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
     }
     if trainer.rank == 0:
         with open(args.json, "w") as f:

@@ -25,6 +25,13 @@ from benchmarks.phases import PhaseTimer, kernel_category
     ("multi_tensor_apply_kernel", ["aten::_fused_adamw_", "ulysses/optimizer_step"], "optimizer"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", ["aten::mm", "ulysses/loss"], "loss"),  # the head's matmuls are the loss
     ("triton_red_fused_rms_norm", ["aten::mean"], "other"),
+    # FA4's kernels by name, wherever the profiler linked their launch
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at", ["aten::mm"],
+     "attention_bwd"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at", ["ulysses/loss"],
+     "attention_fwd"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at",
+     ["ulysses::fa4_fwd"], "attention_fwd"),
 ])
 def test_kernel_categories(kernel, ancestors, expected):
     assert kernel_category(kernel, ancestors) == expected
@@ -54,3 +61,25 @@ def test_phase_timer_wraps_the_engine(monkeypatch):
         engine.step()
     assert calls == ["forward", "backward", "step"] * 2
     assert len(timer.times) == 2 and set(timer.times[0]) == {"forward", "backward", "step"}
+
+
+def test_busy_seconds_is_the_union_of_intervals():
+    from benchmarks.phases import busy_seconds
+
+    # nanoseconds: [0, 4) and [2, 6) overlap into [0, 6); [10, 11) is apart; [1, 3) lies inside
+    assert busy_seconds([(10, 11), (0, 4), (2, 6), (1, 3)]) == 7e-9
+    assert busy_seconds([]) == 0.0
+
+
+def test_each_kernel_is_counted_once_and_ranked():
+    """Kernels come from the GPU events (each once), ancestors from the launching op's correlation id."""
+    from benchmarks.phases import categorise_kernels
+
+    launchers = {1: ["aten::mm", "ulysses/loss"], 2: ["aten::mul"],
+                 3: ["aten::_cudnn_attention_forward", "aten::_scaled_dot_product_cudnn_attention"]}
+    kernels = [("gemm_a", 3e-4, 1), ("elementwise", 1e-4, 2), ("elementwise", 1e-4, 2), ("elementwise", 1e-4, 2),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 5e-4, 3), ("orphan", 1e-5, 99)]
+    result = categorise_kernels(kernels, launchers)
+    assert result["categories"] == pytest.approx({"loss": 3e-4, "other": 3.1e-4, "attention_fwd": 5e-4})
+    assert result["top"][0] == ["attention_fwd", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 1, 5e-4]
+    assert ["other", "elementwise", 3, 3e-4] in result["top"]
