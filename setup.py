@@ -12,5 +12,6 @@ setup(
     extras_require={
         "test": ["pytest>=8", "tensorboard"],
         "flash": ["flash-attn"],
+        "fa4": ["flash-attn-4"],  # FlashAttention-4 (Hopper, Blackwell): --attn_kernel auto picks it when installed
     },
 )

@@ -116,3 +116,26 @@ def test_presets_build_configs_with_the_published_shapes(preset):
         assert geometry(config)["params"] / 1e9 == pytest.approx(billions, rel=0.05)
     q, kv = attention_heads(config)
     assert q % kv == 0 and config.model_type in ("qwen3", "qwen3_moe")
+
+
+def test_attention_kernel_choice(monkeypatch):
+    """auto takes FlashAttention-4 only where it runs (installed, CUDA, compute capability 9.0+, half precision);
+    an explicit kernel that cannot run is an error that names the flag."""
+    from ulysses_train import attention
+    from ulysses_train.attention import resolve_kernel
+
+    assert resolve_kernel("auto", "cpu") == "sdpa"
+    monkeypatch.setattr(attention, "kernel_available", lambda name: True)
+    assert resolve_kernel("auto", "cuda", True, (9, 0)) == "flash_attn_4"
+    assert resolve_kernel("auto", "cuda", True, (10, 0)) == "flash_attn_4"
+    assert resolve_kernel("auto", "cuda", True, (8, 0)) == "sdpa"  # Ampere: FA4 has no kernels for it
+    assert resolve_kernel("auto", "cuda", False, (9, 0)) == "sdpa"  # fp32: FA4 is bf16/fp16 only
+    assert resolve_kernel("auto", "cpu", True) == "sdpa"
+    with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 runs in bf16/fp16 only"):
+        resolve_kernel("flash_attn_4", "cuda", False, (9, 0))
+    with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 runs on CUDA GPUs only"):
+        resolve_kernel("flash_attn_4", "cpu", True)
+    monkeypatch.setattr(attention, "kernel_available", lambda name: False)
+    assert resolve_kernel("auto", "cuda", True, (9, 0)) == "sdpa"
+    with pytest.raises(ConfigError, match="pip install flash-attn-4"):
+        resolve_kernel("flash_attn_4", "cuda", True, (9, 0))

@@ -22,12 +22,12 @@ class CountAttention(TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "scaled_dot_product" in str(func) and "backward" not in str(func):
+        if ("scaled_dot_product" in str(func) or "fa4_fwd" in str(func)) and "backward" not in str(func):
             self.calls += 1
         return func(*args, **(kwargs or {}))
 
 
-def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False):
+def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False, kernel="sdpa"):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +38,11 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     from ulysses_train.trainer import CausalLMWithSPLoss
 
     group = dist.new_group(list(range(world))) if world > 1 else None
-    register_ulysses_attention(group, "sdpa")
+    if kernel == "flash_attn_4":  # the registered op around FA4's kernels, running an exact reference on CPU
+        from ulysses_train import fa4_op
+
+        fa4_op.IMPL.update(forward=fa4_op.reference_forward, backward=fa4_op.reference_backward)
+    register_ulysses_attention(group, kernel)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="ulysses")
     model.train()
@@ -137,3 +141,42 @@ def test_pinned_pool_buffers_are_exact_and_reused_each_step():
     assert pool.bytes == 2 * 30 + 640 * 7 * 4  # nothing new
     assert {b.data_ptr() for b in second} == {b.data_ptr() for b in first}
     assert len({b.data_ptr() for b in second}) == 3  # two buffers of one size are two buffers
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_fa4_op_outputs_are_kept_offloaded_and_exact(sp):
+    """FlashAttention-4 runs through our registered ops (ulysses_train/fa4_op.py) so that selective checkpointing
+    keeps its outputs: with kept attention the op runs once per layer, the kept outputs go to the host with the
+    offload, and loss and gradients equal SDPA's without checkpointing. The kernels themselves are swapped for an
+    exact reference here (no GPU); tests/test_gpu.py runs the real ones."""
+    base_loss, base_grads, _, _ = _run(sp, False, "plain", False)
+    layers = tiny_config("qwen3").num_hidden_layers
+    offloaded = {}
+    for keep, offload, expected_calls in ((False, False, 2 * layers), (True, False, layers), (True, True, layers),
+                                          (False, True, 2 * layers)):
+        loss, grads, calls, offloaded[keep, offload] = _run(sp, keep, "fused", True, False, offload, True,
+                                                            "flash_attn_4")
+        assert calls == expected_calls, (keep, offload)
+        assert loss == pytest.approx(base_loss, rel=1e-6)
+        for name, ref in base_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    attention_out = SEQ * tiny_config("qwen3").num_attention_heads // sp * tiny_config("qwen3").head_dim * 4
+    assert offloaded[True, True] >= offloaded[False, True] + layers * attention_out
+
+
+def test_fa4_reference_matches_sdpa():
+    """The reference the op test runs is itself checked: outputs and gradients against SDPA with GQA, fp64."""
+    from ulysses_train.fa4_op import reference_backward, reference_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    dout = torch.randn(2, 24, 4, 16, generator=g, dtype=torch.float64)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           is_causal=True, scale=0.3, enable_gqa=True).transpose(1, 2)
+    ref.backward(dout)
+    with torch.no_grad():
+        out, lse = reference_forward(q, k, v, 0.3)
+        grads = reference_backward(dout, q, k, v, out, lse, 0.3)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)

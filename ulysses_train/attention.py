@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .all_to_all import all_to_all, group_size
 from .config import ConfigError
+from .fa4_op import fa4_attention
 
 ATTN_NAME = "ulysses"
 
@@ -77,17 +78,16 @@ def _flash_attn(q, k, v, scale: float, docs=None) -> torch.Tensor:
 
 
 def _flash_attn_4(q, k, v, scale: float, docs=None) -> torch.Tensor:
-    from flash_attn.cute import flash_attn_func  # FlashAttention-4 (package flash-attn-4)
-
+    """FlashAttention-4 (package flash-attn-4) through our registered op, so that its outputs can be kept."""
     if docs is not None:
         return _per_document(_flash_attn_4, q, k, v, scale, docs)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
-    return out[0] if isinstance(out, tuple) else out
+    return fa4_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale)  # (b, s, h, d) views, GQA native
 
 
 KERNELS: dict[str, Callable] = {"sdpa": _sdpa, "flash_attn": _flash_attn, "flash_attn_4": _flash_attn_4}
-_KERNEL_MODULES = {"sdpa": None, "flash_attn": "flash_attn", "flash_attn_4": "flash_attn.cute"}
+# the module whose presence means the kernel is installed (FA4 also installs `flash_attn` as a namespace package,
+# so FA2 is recognised by its own interface module)
+_KERNEL_MODULES = {"sdpa": None, "flash_attn": "flash_attn.flash_attn_interface", "flash_attn_4": "flash_attn.cute"}
 
 
 def kernel_available(name: str) -> bool:
@@ -100,13 +100,18 @@ def kernel_available(name: str) -> bool:
         return False
 
 
-def resolve_kernel(name: str, device_type: str) -> str:
-    """`auto` is SDPA, which PyTorch dispatches to cuDNN on Hopper (540-563 TFLOP/s forward+backward at 64k-131k
-    tokens on the H200, docs/benchmarks.md); FA2 measured ~325. FA4 is opt-in: selective checkpointing sees only
-    registered ops, and FA4's kernels are not, so `--attn_recompute never` cannot keep its outputs. An explicit
-    choice that is not installed is an error naming the flag."""
+def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
+                   capability: tuple[int, int] = (0, 0)) -> str:
+    """`auto` is FlashAttention-4 where it runs (installed, a CUDA GPU of compute capability 9.0 or later, bf16 or
+    fp16), else SDPA (cuDNN on Hopper). Measured on the H200 in the trainer (docs/benchmarks.md, session 4), Qwen3-4B
+    with kept attention outputs: FA4 12.53 s against cuDNN 13.68 s per step at 64k tokens, 40.06 against 44.83 at
+    131k; the kernels alone run at 617-628 TFLOP/s against 541-552; FA2 measured ~325. FA4 goes through our
+    registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
+    cannot run here, is an error naming the flag."""
     if name == "auto":
-        return "sdpa"
+        fa4_runs = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
+                    and kernel_available("flash_attn_4"))
+        return "flash_attn_4" if fa4_runs else "sdpa"
     if name not in KERNELS:
         raise ConfigError(f"--attn_kernel {name}: choose one of auto, {', '.join(KERNELS)}")
     if not kernel_available(name):
@@ -115,6 +120,8 @@ def resolve_kernel(name: str, device_type: str) -> str:
                           f"pip install {pkg}, or use --attn_kernel auto")
     if device_type != "cuda" and name != "sdpa":
         raise ConfigError(f"--attn_kernel {name} runs on CUDA GPUs only: use --attn_kernel sdpa on {device_type}")
+    if name != "sdpa" and not half_precision:
+        raise ConfigError(f"--attn_kernel {name} runs in bf16/fp16 only: pass --dtype bf16, or --attn_kernel sdpa")
     return name
 
 

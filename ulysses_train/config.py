@@ -37,10 +37,9 @@ class TrainConfig:
                                            "qwen3-30b-a3b) or a config.json path. Default: tiny, when --model is not given.")
     num_layers: Optional[int] = _f(None, "Override the number of decoder layers of --model_config (for benchmarks at "
                                          "reduced depth).")
-    attn_kernel: str = _f("auto", "Local attention kernel run inside the Ulysses all-to-all. auto: sdpa (PyTorch "
-                                  "dispatches it to cuDNN on Hopper, the fastest measured). flash_attn_4 is opt-in: "
-                                  "its outputs cannot be kept (--attn_recompute never).",
-                          ATTN_KERNELS)
+    attn_kernel: str = _f("auto", "Local attention kernel run inside the Ulysses all-to-all. auto: flash_attn_4 "
+                                  "where it runs (package flash-attn-4 installed, compute capability 9.0+, bf16/fp16), "
+                                  "else sdpa (cuDNN on Hopper).", ATTN_KERNELS)
     # ---- parallelism ----
     sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
                                       "world size; the rest is data parallel. Default: the ranks on one node.")

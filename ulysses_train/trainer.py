@@ -92,8 +92,9 @@ class Trainer:
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        kernel = resolve_kernel(cfg.attn_kernel, self.device.type)
         use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
+        kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
         random_init = cfg.model is None
         self.ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, dp_size, sp_size,

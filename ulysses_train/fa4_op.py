@@ -1,0 +1,121 @@
+"""FlashAttention-4 as two registered torch ops, `ulysses::fa4_fwd` and `ulysses::fa4_bwd`.
+
+Why our own wrapper rather than `flash_attn.cute.flash_attn_func`: that function is a Python autograd Function whose
+kernels are not ops the dispatcher sees, so selective checkpointing cannot keep its outputs and every checkpointed
+layer runs the attention forward twice (`--attn_recompute never` had to fall back to recomputing). As a
+registered op with an autograd formula, `fa4_fwd` is one op to the checkpoint's policy, which keeps its (out, lse)
+like SDPA's, and to the offload, which moves them to the host. On the H200 FA4 runs forward+backward at 617-628
+TFLOP/s against cuDNN's 541-552 at 64k-131k tokens (benchmarks/attn_bench.py, docs/benchmarks.md).
+
+Layout (b, s, h, d) for q, k, v and out, lse (b, h, s) fp32; GQA native (k, v with fewer heads); causal.
+`IMPL` holds the two kernel calls; the CPU tests swap in an exact reference to check the op plumbing (keeping,
+offload, gradients) without the package or a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def _fa4_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+def _fa4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True)[:3]
+    return dq, dk, dv
+
+
+IMPL: dict[str, Callable] = {"forward": _fa4_forward, "backward": _fa4_backward}
+
+
+@torch.library.custom_op("ulysses::fa4_fwd", mutates_args=())
+def fa4_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return IMPL["forward"](q, k, v, scale)
+
+
+@fa4_fwd.register_fake
+def _fa4_fwd_fake(q, k, v, scale):
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("ulysses::fa4_bwd", mutates_args=())
+def fa4_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return IMPL["backward"](dout, q, k, v, out, lse, scale)
+
+
+@fa4_bwd.register_fake
+def _fa4_bwd_fake(dout, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, _dlse):  # lse is an auxiliary output: nothing differentiates through it
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ulysses.fa4_bwd(dout.contiguous(), q, k, v, out, lse, ctx.scale)
+    return dq, dk, dv, None
+
+
+fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+FORWARD_OP = torch.ops.ulysses.fa4_fwd.default
+
+
+def fa4_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q (b, s, hq, d), k/v (b, s, hkv, d) -> (b, s, hq, d), causal."""
+    return fa4_fwd(q, k, v, scale)[0]
+
+
+# ---------------------------------------------------------------- exact reference (CPU tests)
+
+
+def _expand(t: Tensor, heads: int) -> Tensor:
+    return t.repeat_interleave(heads // t.shape[2], dim=2)
+
+
+def reference_forward(q, k, v, scale):
+    """What the kernel computes, in plain ops: (out, lse) in the kernel's layouts."""
+    s = q.shape[1]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, _expand(k, q.shape[2]), _expand(v, q.shape[2])))  # (b, h, s, d)
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    lse = torch.logsumexp(scores, dim=-1)  # (b, h, s), fp32 as the kernel's (fp64 in fp64 tests)
+    out = (torch.exp(scores - lse[..., None]).to(q.dtype) @ vh).transpose(1, 2).contiguous()
+    return out, lse
+
+
+def reference_backward(dout, q, k, v, out, lse, scale):
+    """The analytic gradient of softmax attention from (out, lse), with GQA heads summed per KV head."""
+    heads, s = q.shape[2], q.shape[1]
+    qh, kh, vh, oh, dh = (t.transpose(1, 2) for t in (q, _expand(k, heads), _expand(v, heads), out, dout))
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.exp(scores - lse[..., None])  # (b, h, s, s)
+    dv = p.transpose(-1, -2) @ dh
+    dp = dh @ vh.transpose(-1, -2)
+    ds = p * (dp - (dh * oh).sum(-1, keepdim=True))
+    dq, dk = (ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale
+
+    def per_kv(t, kv_heads):  # (b, h, s, d) -> (b, s, kv, d), summing each KV head's query heads
+        b, h, n, d = t.shape
+        return t.reshape(b, kv_heads, h // kv_heads, n, d).sum(2).transpose(1, 2).contiguous()
+
+    return dq.transpose(1, 2).contiguous(), per_kv(dk, k.shape[2]), per_kv(dv, v.shape[2])
