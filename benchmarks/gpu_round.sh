@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, then run the named parts, each logging under $OUT.
 #   bash benchmarks/gpu_round.sh env tests "bench:LABEL:SEQ:STEPS:FLAGS" "peer:LABEL:SEQ:STEPS" ...
+#   (also "attn:LABEL:SEQS" for benchmarks/attn_bench.py, "loss:LABEL" for benchmarks/loss_bench.py)
 # Parts run in the order given; the table of BENCH/RESULT lines is printed last. VAR=VALUE parts set, for the parts
 # after them: LAUNCH (e.g. "torchrun --nproc_per_node 2"), BENCH_TIMEOUT, LAYERS (peer depth) and BENCH_ARGS
 # (step_bench's own flags, e.g. "--profile_step 3" for the per-kernel breakdown).
@@ -34,6 +35,9 @@ for part in "$@"; do
     attn:*) IFS=: read -r _ label seqs <<< "$part"
       timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/attn_bench.py --json "$R/$label.json" --seq ${seqs//,/ } \
         > "$R/$label.log" 2>&1; echo "[$label] rc=$?"; grep -v Warning "$R/$label.log" | tail -n 12 ;;
+    loss:*) IFS=: read -r _ label <<< "$part"
+      timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/loss_bench.py --json "$R/$label.json" > "$R/$label.log" 2>&1
+      echo "[$label] rc=$?"; tail -n 12 "$R/$label.log" ;;
     tests) timeout 300 python3 -m pytest -q -rs tests/test_gpu.py > "$R/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" ;;
     *=*) eval "$part" ;;  # NAME=VALUE sets a variable for the parts after it
     bench:*) IFS=: read -r _ label seq steps flags <<< "$part"; bench "$label" "$seq" "$steps" $flags ;;
