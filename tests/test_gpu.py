@@ -160,3 +160,76 @@ def test_profile_memory_on_cuda_writes_snapshot_and_picture(tmp_path):
     assert (out / "memory" / "memory.png").stat().st_size > 10_000
     peak = json.loads((out / "memory" / "memory.json").read_text())["peak_gib"]
     assert peak["model states"] > 0 and peak["gradients"] > 0 and peak["recomputed layer"] > 0
+
+
+def _train_on_cuda(out, *flags):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "launch", "train.py"), "--steps", "4", "--seq_len",
+                           "4096", "--lr", "3e-3", "--ds_config", "ds_configs/zero3_bf16_states.json",
+                           "--output_dir", str(out), *flags], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return proc.stdout + proc.stderr, records
+
+
+def test_pinned_pool_and_shared_master_train_as_the_plain_run(tmp_path):
+    """The real trainer on CUDA, 4 steps: the offload into our reused pinned buffers (checkpoints and kept
+    attention outputs) and the master weights sharing the model's partition, against a run with neither. Losses
+    after step 1 and the gradient norms depend on every backward, so a buffer handed back too early or a master
+    copy out of step would show; cuDNN's backward is not bitwise deterministic, hence 1e-2 relative (bf16)."""
+    plain_log, plain = _train_on_cuda(tmp_path / "plain", "--share_master_weights", "false",
+                                      "--attn_recompute", "always")
+    levers_log, levers = _train_on_cuda(tmp_path / "levers", "--offload_activations", "--attn_recompute", "never")
+    assert "master weights share" in levers_log and "master weights share" not in plain_log
+    assert levers[-1]["host_offload_gib"] > 0
+    for a, b in zip(plain, levers, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-2), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2), (a, b)
+    assert levers[-1]["loss"] < levers[0]["loss"]  # it trains
+
+
+def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
+    """FlashAttention-4 through our registered op: with kept outputs (offloaded) the kernel runs once per layer, the
+    loss is the recompute run's bit for bit (same forward kernels) and the gradients agree within bf16 noise (FA4's
+    backward accumulates dq with atomics, so two runs differ in the last bits)."""
+    from ulysses_train.attention import kernel_available
+
+    if not kernel_available("flash_attn_4"):
+        pytest.skip("flash_attn_4 not installed")
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+    from tests.test_levers import CountAttention
+    from ulysses_train.attention import register_ulysses_attention
+    from ulysses_train.checkpointing import HostOffload, enable_checkpointing
+    from ulysses_train.loss import global_token_count, install_loss_head
+    from ulysses_train.sharding import shard_sequence
+    from ulysses_train.trainer import CausalLMWithSPLoss
+
+    config = tiny_config("qwen3")
+    config.head_dim, config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 128, 256, 4, 2
+    register_ulysses_attention(None, "flash_attn_4")
+    ids = torch.randint(3, 96, (1, 4096), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses", dtype=torch.bfloat16)
+        model = model.cuda().train()
+        hooks = HostOffload(min_bytes=0) if keep else None
+        enable_checkpointing(model, keep, hooks)
+        install_loss_head(model)
+        batch = {k: v.cuda() for k, v in shard_sequence(ids, 1, 0).items()}
+        with CountAttention() as counter:
+            loss = CausalLMWithSPLoss(model)(batch["input_ids"], batch["position_ids"], batch["labels"],
+                                             global_token_count(batch["labels"], None))
+            loss.backward()
+        assert counter.calls == (1 if keep else 2) * config.num_hidden_layers
+        results[keep] = (loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    assert results[True][0] == results[False][0]
+    for name, grad in results[True][1].items():
+        assert _rel(grad, results[False][1][name]) < 1e-2, name
