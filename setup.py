@@ -8,9 +8,11 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned: bring the build that matches your accelerator (CI installs torch==2.13.0, a CPU build)
     install_requires=["torch>=2.5", "deepspeed>=0.18", "transformers>=5.0", "accelerate>=1.0", "tqdm", "numpy",
-                      "tokenizers", "safetensors", "datasets>=3.0"],
+                      "tokenizers", "safetensors", "datasets>=3.0",
+                      "matplotlib"],  # the pictures of --profile_memory and eval_positions
     extras_require={
-        "test": ["pytest>=8", "tensorboard"],
+        # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
+        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'"],
         "flash": ["flash-attn"],
         "fa4": ["flash-attn-4"],  # FlashAttention-4 (Hopper, Blackwell): --attn_kernel auto picks it when installed
     },

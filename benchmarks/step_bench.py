@@ -127,7 +127,7 @@ def main():
         "lean_norm": bool(trainer.lean_norms), "master_shared": trainer.master_freed_bytes > 0,
         "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels.get("categories", {}),
         "kernel_top": kernels.get("top", []), "gpu_streams": kernels.get("streams", {}),
-        "tiled_mlp": bool(trainer.tiled_mlp), "attn_kernel": trainer.attention.kernel_name,
+        "tiled_mlp": bool(trainer.tiled_mlp), "fused_kernels": trainer.fused_kernels, "attn_kernel": trainer.attention.kernel_name,
         # GQA reaches the kernel without k/v copies: FA4 always, SDPA in bf16/fp16 (attention._sdpa)
         "gqa_native": trainer.attention.kernel_name == "flash_attn_4" or trainer.dtype != torch.float32,
         "device": torch.cuda.get_device_name() if cuda else "cpu",

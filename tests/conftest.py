@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # hermetic: the tests (and the trainers they launch, which inherit the environment) never share the user's
 # datasets cache, nor another test session's
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="ulysses-test-datasets-")
+# without a GPU, Triton's interpreter runs our fused kernels on CPU tensors (tests/test_fused_kernels.py); it must be
+# set before the kernels are defined, and the processes the tests start inherit it
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -233,3 +233,22 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
     assert results[True][0] == results[False][0]
     for name, grad in results[True][1].items():
         assert _rel(grad, results[False][1][name]) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_fused_kernels_train_as_transformers_ops(tmp_path):
+    """The real trainer on CUDA, 4 steps, with our Triton norms and rotary (the default `auto` there) against
+    transformers' ops with the lean norm: the log names the kernels, and losses and gradient norms agree to bf16
+    (1e-2 relative, as cuDNN's backward is not bitwise deterministic either). tests/test_fused_kernels.py checks
+    the kernels one by one on this GPU."""
+    fused_log, fused = _train_on_cuda(tmp_path / "fused", "--offload_activations")
+    plain_log, plain = _train_on_cuda(tmp_path / "plain", "--offload_activations", "--fused_kernels", "off")
+    import re
+
+    norms, rotary = map(int, re.search(r"fused kernels: (\d+) norms, (\d+) rotary", fused_log).groups())
+    assert rotary > 0 and norms == 4 * rotary + 1  # Qwen3: 4 per layer and the final one; a rotary per layer
+    assert "fused kernels: off" in plain_log
+    for a, b in zip(plain, fused, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-2), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2), (a, b)
+    assert fused[-1]["loss"] < fused[0]["loss"]

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed import run_distributed
 from tests.models import tiny_config
+from ulysses_train.fused_kernels import triton_importable
 
 SEQ = 64
 
@@ -50,10 +51,13 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     if checkpoint:
         enable_checkpointing(model, keep_attention, offload=hooks)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
-    if lean:
+    if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
+        from ulysses_train.fused_kernels import install_fused_rotary
         from ulysses_train.lean_norm import install_lean_norms
 
-        assert install_lean_norms(model) > 0
+        assert install_lean_norms(model, fused=lean == "fused") > 0
+        if lean == "fused":
+            assert install_fused_rotary(model) == model.config.num_hidden_layers
     if tiled:
         from ulysses_train.tiled_mlp import enable_tiled_mlp
 
@@ -100,6 +104,22 @@ def test_levers_do_not_change_loss_or_gradients(sp):
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert offloaded[False, True] >= layers * layer_input  # every checkpointed layer's input went out
     assert offloaded[True, True] >= offloaded[False, True] + layers * attention_out  # and every kept output
+
+
+@pytest.mark.skipif(not triton_importable(), reason="needs Triton (pip install triton): its interpreter runs the "
+                                                     "kernels on CPU")
+@pytest.mark.parametrize("sp", [1, 2])
+def test_fused_kernels_with_every_lever_do_not_change_loss_or_gradients(sp):
+    """Our Triton RMSNorm and rotary (ulysses_train/fused_kernels.py) inside checkpointed layers that keep and
+    offload their attention outputs, with tiled MLP and the fused loss: the same loss and gradients as the plain
+    model, and the attention kernel still runs once per layer."""
+    base_loss, base_grads, _, _ = _run(sp, False, "plain", False)
+    layers = tiny_config("qwen3").num_hidden_layers
+    loss, grads, calls, _ = _run(sp, True, "fused", True, True, True, "fused")
+    assert calls == layers
+    assert loss == pytest.approx(base_loss, rel=1e-6)
+    for name, ref in base_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("layout", ["list", "dict"])

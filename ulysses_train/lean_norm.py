@@ -43,6 +43,12 @@ def _lean_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    from .fused_kernels import rms_norm
+
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
 def _reference_code():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -53,11 +59,12 @@ def _same_code(a, b) -> bool:
     return a.co_code == b.co_code and a.co_consts == b.co_consts and a.co_names == b.co_names
 
 
-_LEAN_CLASSES: dict[type, type] = {}
+_LEAN_CLASSES: dict[tuple[type, bool], type] = {}
 
 
-def install_lean_norms(model: nn.Module) -> int:
-    """Swaps every Llama-style RMSNorm in `model` for the lean one (in place); returns how many were swapped."""
+def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
+    """Swaps every Llama-style RMSNorm in `model` for the lean one (in place); returns how many were swapped.
+    fused: the same computation as one Triton kernel each way (fused_kernels.rms_norm, `--fused_kernels`)."""
     reference, swapped = _reference_code(), 0
     for module in model.modules():
         cls = type(module)
@@ -65,8 +72,9 @@ def install_lean_norms(model: nn.Module) -> int:
             continue
         if not hasattr(module, "variance_epsilon") or not _same_code(cls.forward.__code__, reference):
             continue
-        if cls not in _LEAN_CLASSES:
-            _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (cls,), {"forward": _lean_forward})
-        module.__class__ = _LEAN_CLASSES[cls]
+        if (cls, fused) not in _LEAN_CLASSES:
+            prefix, forward = ("Fused", _fused_forward) if fused else ("Lean", _lean_forward)
+            _LEAN_CLASSES[cls, fused] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
+        module.__class__ = _LEAN_CLASSES[cls, fused]
         swapped += 1
     return swapped

@@ -180,6 +180,8 @@ class MemoryProfiler:
 
     def stop(self, write: bool) -> Optional[dict]:
         timeline, self.timeline = self.timeline, None
+        if timeline is None:  # stopped already
+            return None
         timeline.__exit__(None, None, None)
         if write:
             os.makedirs(self.out_dir, exist_ok=True)

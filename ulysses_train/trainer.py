@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
+from .fused_kernels import install_fused_rotary, resolve_fused_kernels
 from .lean_norm import install_lean_norms
 from .memory_profile import MemoryProfiler
 from .zero_master import share_master_weights
@@ -127,7 +128,9 @@ class Trainer:
                  f"{sum(p.ds_numel if hasattr(p, 'ds_numel') else p.numel() for p in model.parameters()) / 1e6:.1f}M "
                  f"params | {self.model_config.num_hidden_layers} layers | loss {cfg.loss} | "
                  f"checkpointing {cfg.gradient_checkpointing} (attention kept: {self.keep_attention}, "
-                 f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | lean norms: {self.lean_norms} | rope {self.rope} | "
+                 f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | lean norms: {self.lean_norms} | "
+                 f"fused kernels: {f'{self.lean_norms} norms, {self.fused_rotary} rotary' if self.fused_kernels else 'off'}"
+                 f" | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
 
     def _build_model(self, sp_size: int):
@@ -141,7 +144,11 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_checkpointing(model, self.keep_attention, self.offload)
         install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
-        self.lean_norms = install_lean_norms(model) if cfg.lean_norm else 0
+        # fused kernels: our Triton RMSNorm (lean, like --lean_norm) and rotary; else the lean norm in PyTorch ops
+        self.fused_kernels = resolve_fused_kernels(cfg.fused_kernels, self.device)
+        self.lean_norms = install_lean_norms(model, fused=self.fused_kernels) if cfg.lean_norm or \
+            self.fused_kernels else 0
+        self.fused_rotary = install_fused_rotary(model) if self.fused_kernels else 0
         local_tokens = cfg.seq_len // sp_size * self.micro
         intermediate = getattr(self.model_config, "intermediate_size", 0)
         self.tiled_mlp = should_tile(cfg.tiled_mlp, local_tokens, intermediate, self.dtype.itemsize) and \
@@ -335,8 +342,8 @@ class Trainer:
                 }
                 history.append(record)
                 if profiler is not None and step == self.start_step + cfg.profile_memory:
-                    self._finish_memory_profile(profiler, logger)
-                    profiler = None
+                    finished, profiler = profiler, None  # not again in `finally` if writing the picture fails
+                    self._finish_memory_profile(finished, logger)
                 logger.log(record, {"host_peak_gib": host_peak_gib(), "host_offload_gib": self.host_offload_gib,
                                     "skipped": skipped})
                 if skipped:

@@ -1,0 +1,172 @@
+"""Our Triton kernels (ulysses_train/fused_kernels.py) against transformers' own functions, forward and backward.
+Without a GPU, Triton's interpreter runs them on CPU tensors (conftest sets TRITON_INTERPRET=1): fp32 is checked
+tightly; in bf16 the interpreter rounds its downcasts differently from the GPU (it truncated 490 of 1000 random
+values that PyTorch rounds to nearest), so bf16 is checked to a few bf16 steps here and tightly in
+tests/test_gpu.py."""
+
+import pytest
+import torch
+
+from tests.models import tiny_config
+from ulysses_train.fused_kernels import (RotaryFunction, install_fused_rotary, kernels_run_on, resolve_fused_kernels,
+                                         rms_norm, triton_importable)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not kernels_run_on(DEVICE), reason="needs Triton (pip install triton); on CPU its "
+                                                                   "interpreter (TRITON_INTERPRET=1, see conftest)")
+# (relative tolerance of outputs and gradients) per dtype: fp32 arithmetic; bf16 within a couple of its 2^-8 steps
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2 if DEVICE.type == "cpu" else 6e-3}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 7, 64), (2, 150, 8, 16), (3, 5, 80)],
+                         ids=["hidden-rows", "head-rows-many-programs", "non-power-of-two"])
+def test_rms_norm_matches_transformers(shape, dtype):
+    """Against Qwen3's RMSNorm module evaluated in fp64 (the exact function), with a gradient for input and weight.
+    The second shape has 2400 rows of 16: 38 row blocks, so several backward programs each sum a share of the
+    weight's gradient."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    norm = Qwen3RMSNorm(shape[-1], eps=1e-6).double()
+    norm.weight.data = 1 + 0.2 * torch.randn(shape[-1], generator=g, dtype=torch.float64)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    ref_x = x.double().requires_grad_()
+    ref = norm(ref_x)
+    ref.backward(dy)
+
+    got_x = x.to(DEVICE).requires_grad_()
+    weight = norm.weight.detach().to(DEVICE, dtype).requires_grad_()
+    got = rms_norm(got_x, weight, 1e-6)
+    got.backward(dy.to(DEVICE, dtype))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.isfinite(got).all()
+    for name, a, b in (("out", got, ref), ("dx", got_x.grad, ref_x.grad), ("dw", weight.grad, norm.weight.grad)):
+        assert rel_err(a.cpu(), b) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["transposed-view", "contiguous", "cos-batch-1"])
+def test_rotary_matches_transformers(layout, dtype):
+    """Against transformers' apply_rotary_pos_emb in fp64, for q and k with fewer KV heads. The usual input is the
+    (b, h, s, d) view of a (b, s, h, d) projection: the output keeps those strides, so the attention's transpose
+    back is free."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(1)
+    b, s, heads, kv_heads, d = 2, 9, 6, 2, 16
+    if layout == "contiguous":
+        q, k = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for h in (heads, kv_heads))
+    else:
+        q, k = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64).transpose(1, 2) for h in (heads, kv_heads))
+    angles = torch.rand(1 if layout == "cos-batch-1" else b, s, d // 2, generator=g, dtype=torch.float64) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    dq, dk = torch.randn(q.shape, generator=g, dtype=torch.float64), torch.randn(k.shape, generator=g,
+                                                                                 dtype=torch.float64)
+    ref_q, ref_k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    out_q, out_k = apply_rotary_pos_emb(ref_q, ref_k, cos, sin)
+    torch.autograd.backward((out_q, out_k), (dq, dk))
+
+    got_q = q.to(DEVICE, dtype).requires_grad_()
+    got_k = k.to(DEVICE, dtype).requires_grad_()
+    c, n = cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)
+    rot_q, rot_k = RotaryFunction.apply(got_q, c, n), RotaryFunction.apply(got_k, c, n)
+    torch.autograd.backward((rot_q, rot_k), (dq.to(DEVICE, dtype), dk.to(DEVICE, dtype)))
+    assert rot_q.stride() == got_q.stride() and rot_k.stride() == got_k.stride()
+    for name, a, want in (("q", rot_q, out_q), ("k", rot_k, out_k), ("dq", got_q.grad, ref_q.grad),
+                          ("dk", got_k.grad, ref_k.grad)):
+        assert rel_err(a.cpu(), want) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe"])
+def test_fused_model_matches_transformers(family):
+    """A whole tiny model of each family with our norms and rotary: every RMSNorm and every attention module is
+    patched, loss and every gradient equal the unpatched model's (fp32), and the modeling file's own
+    apply_rotary_pos_emb is back in place afterwards."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.lean_norm import install_lean_norms
+
+    config = tiny_config(family)
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(DEVICE)
+        if fused:
+            norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+            assert install_lean_norms(model, fused=True) == norms > 0
+            assert install_fused_rotary(model) == config.num_hidden_layers
+            assert install_fused_rotary(model) == 0  # patching twice does nothing
+            modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+            original = modeling.apply_rotary_pos_emb
+        loss = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()}))
+    assert modeling.apply_rotary_pos_emb is original
+    (base_loss, base_grads), (loss, grads) = results
+    assert loss == pytest.approx(base_loss, rel=1e-6)
+    for name, ref in base_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_rotary_outside_the_standard_layout_falls_back():
+    """While a patched attention forward runs, the modeling file's apply_rotary_pos_emb is ours; a call our kernel
+    does not cover (here unsqueeze_dim=2, the (b, s, h, d) convention) goes to transformers' own function."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from ulysses_train.fused_kernels import _with_fused_rotary
+
+    original = modeling_qwen3.apply_rotary_pos_emb
+    seen = _with_fused_rotary(lambda: modeling_qwen3.apply_rotary_pos_emb, vars(modeling_qwen3))()
+    assert seen is not original and modeling_qwen3.apply_rotary_pos_emb is original
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 5, 2, 8, generator=g), torch.randn(1, 5, 1, 8, generator=g)
+    cos, sin = torch.randn(1, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g)
+    for got, want in zip(seen(q, k, cos, sin, unsqueeze_dim=2), original(q, k, cos, sin, unsqueeze_dim=2)):
+        assert torch.equal(got, want)
+
+
+def test_fused_kernels_flag(monkeypatch):
+    """auto turns the kernels on for CUDA only (the interpreter is for tests); on, where they cannot run, is an
+    error that names the flag."""
+    from ulysses_train.config import ConfigError
+
+    assert resolve_fused_kernels("off", DEVICE) is False
+    assert resolve_fused_kernels("auto", torch.device("cpu")) is False
+    assert resolve_fused_kernels("auto", torch.device("cuda")) is triton_importable()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="--fused_kernels"):
+        resolve_fused_kernels("on", torch.device("cpu"))
+
+
+def test_trainer_with_fused_kernels_on_matches_off(tmp_path):
+    """The real trainer (one process, fp32 on CPU, kernels interpreted) with `--fused_kernels on` against `off`:
+    the log names what was patched, and each step's loss and gradient norm agree."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {}
+    for mode in ("on", "off"):
+        out = tmp_path / mode
+        proc = subprocess.run([sys.executable, os.path.join(root, "launch", "train.py"), "--steps", "2",
+                               "--seq_len", "64", "--fused_kernels", mode, "--output_dir", str(out)],
+                              capture_output=True, text=True, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = (proc.stdout + proc.stderr,
+                      [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+    assert "fused kernels: 9 norms, 2 rotary" in runs["on"][0]  # the tiny default: 2 layers x 4 norms + the final
+    assert "fused kernels: off" in runs["off"][0]
+    for a, b in zip(runs["off"][1], runs["on"][1], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
