@@ -3,7 +3,7 @@
 For each of the per-layer norm and rotary calls, forward and forward+backward times (CUDA events, median of
 --repeats after a warm-up) of transformers' ops (rotary) or our lean RMSNorm in PyTorch ops, and of our kernels,
 with the bytes each must move at least and the bandwidth that gives. Per layer, Qwen3 runs 2 hidden-wide norms,
-a q and a k norm, and the rotary on q and k; a checkpointed step runs each forward twice.
+a q and a k norm, the rotary on q and k, and the SwiGLU product; a checkpointed step runs each forward twice.
 
     python benchmarks/kernel_bench.py --seq 65536 131072 --json out.json
 """
@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.fused_kernels import RotaryFunction, rms_norm  # noqa: E402
+from ulysses_train.fused_kernels import RotaryFunction, SiLUMulFunction, rms_norm  # noqa: E402
 from ulysses_train.lean_norm import _RMSNormFunction  # noqa: E402
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2560, 32, 8, 128
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2560, 32, 8, 128, 9728
 
 
 def _time(fn, repeats: int) -> float:
@@ -47,9 +47,9 @@ def _fwd_bwd(op, inputs, grad):
     return run
 
 
-def cases(seq: int):
+def cases(seq: int, dev: str = "cuda"):
     """(name, eager op, fused op, leaf inputs, output shape, minimum bytes forward, minimum bytes fwd+bwd)."""
-    dev, bf16 = "cuda", torch.bfloat16
+    bf16 = torch.bfloat16
     out = []
     for name, shape in (("norm hidden", (seq, HIDDEN)), ("norm q", (seq, HEADS, HEAD_DIM)),
                         ("norm k", (seq, KV_HEADS, HEAD_DIM))):
@@ -67,6 +67,10 @@ def cases(seq: int):
         size = x.numel() * 2
         out.append((name, lambda x=x: apply_rotary_pos_emb(x, x, cos, sin)[0],
                     lambda x=x: RotaryFunction.apply(x, cos, sin), [x], x.shape, 2 * size, 4 * size))
+    gate, up = (torch.randn(1, seq, INTERMEDIATE, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
+    size = gate.numel() * 2
+    out.append(("swiglu", lambda: torch.nn.functional.silu(gate) * up, lambda: SiLUMulFunction.apply(gate, up),
+                [gate, up], gate.shape, 3 * size, 8 * size))  # fwd: 2 in, 1 out; bwd: 3 in, 2 out
     return out
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.models import tiny_config
-from ulysses_train.fused_kernels import (RotaryFunction, install_fused_rotary, kernels_run_on, resolve_fused_kernels,
-                                         rms_norm, triton_importable)
+from ulysses_train.fused_kernels import (RotaryFunction, SiLUMulFunction, install_fused_mlp, install_fused_rotary,
+                                         kernels_run_on, resolve_fused_kernels, rms_norm, triton_importable)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_run_on(DEVICE), reason="needs Triton (pip install triton); on CPU its "
@@ -83,11 +83,29 @@ def test_rotary_matches_transformers(layout, dtype):
         assert rel_err(a.cpu(), want) < TOL[dtype], name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_transformers(dtype):
+    """silu(gate) * up as transformers' MLP computes it (ACT2FN["silu"]), against fp64, with both gradients; 5000
+    values, so the last of three programs is partly masked."""
+    from transformers.activations import ACT2FN
+
+    g = torch.Generator().manual_seed(4)
+    gate, up, dh = (3 * torch.randn(2, 50, 50, generator=g, dtype=torch.float64) for _ in range(3))
+    ref_gate, ref_up = gate.to(dtype).double().requires_grad_(), up.to(dtype).double().requires_grad_()
+    ref = ACT2FN["silu"](ref_gate) * ref_up
+    ref.backward(dh)
+    got_gate, got_up = gate.to(DEVICE, dtype).requires_grad_(), up.to(DEVICE, dtype).requires_grad_()
+    got = SiLUMulFunction.apply(got_gate, got_up)
+    got.backward(dh.to(DEVICE, dtype))
+    for name, a, b in (("out", got, ref), ("dgate", got_gate.grad, ref_gate.grad), ("dup", got_up.grad, ref_up.grad)):
+        assert a.dtype == dtype and rel_err(a.cpu(), b) < TOL[dtype], name
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe"])
 def test_fused_model_matches_transformers(family):
-    """A whole tiny model of each family with our norms and rotary: every RMSNorm and every attention module is
-    patched, loss and every gradient equal the unpatched model's (fp32), and the modeling file's own
-    apply_rotary_pos_emb is back in place afterwards."""
+    """A whole tiny model of each family with our norms, rotary and SwiGLU: every RMSNorm, every attention module
+    and every dense MLP (none in the all-MoE Qwen3-MoE) is patched, loss and every gradient equal the unpatched
+    model's (fp32), and the modeling file's own apply_rotary_pos_emb is back in place afterwards."""
     import sys
 
     from transformers import AutoModelForCausalLM
@@ -105,6 +123,8 @@ def test_fused_model_matches_transformers(family):
             assert install_lean_norms(model, fused=True) == norms > 0
             assert install_fused_rotary(model) == config.num_hidden_layers
             assert install_fused_rotary(model) == 0  # patching twice does nothing
+            dense = 0 if family == "qwen3_moe" else config.num_hidden_layers
+            assert install_fused_mlp(model) == dense and install_fused_mlp(model) == 0
             modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
             original = modeling.apply_rotary_pos_emb
         loss = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
@@ -165,7 +185,7 @@ def test_trainer_with_fused_kernels_on_matches_off(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[mode] = (proc.stdout + proc.stderr,
                       [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
-    assert "fused kernels: 9 norms, 2 rotary" in runs["on"][0]  # the tiny default: 2 layers x 4 norms + the final
+    assert "fused kernels: 9 norms, 2 rotary, 2 SwiGLU" in runs["on"][0]  # the tiny default: 2 layers
     assert "fused kernels: off" in runs["off"][0]
     for a, b in zip(runs["off"][1], runs["on"][1], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

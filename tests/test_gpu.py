@@ -237,7 +237,7 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
 
 @pytest.mark.gpu
 def test_fused_kernels_train_as_transformers_ops(tmp_path):
-    """The real trainer on CUDA, 4 steps, with our Triton norms and rotary (the default `auto` there) against
+    """The real trainer on CUDA, 4 steps, with our Triton norms, rotary and SwiGLU (the default `auto` there) against
     transformers' ops with the lean norm: the log names the kernels, and losses and gradient norms agree to bf16
     (1e-2 relative, as cuDNN's backward is not bitwise deterministic either). tests/test_fused_kernels.py checks
     the kernels one by one on this GPU."""
@@ -245,8 +245,9 @@ def test_fused_kernels_train_as_transformers_ops(tmp_path):
     plain_log, plain = _train_on_cuda(tmp_path / "plain", "--offload_activations", "--fused_kernels", "off")
     import re
 
-    norms, rotary = map(int, re.search(r"fused kernels: (\d+) norms, (\d+) rotary", fused_log).groups())
-    assert rotary > 0 and norms == 4 * rotary + 1  # Qwen3: 4 per layer and the final one; a rotary per layer
+    found = re.search(r"fused kernels: (\d+) norms, (\d+) rotary, (\d+) SwiGLU", fused_log)
+    norms, rotary, mlps = map(int, found.groups())
+    assert rotary > 0 and norms == 4 * rotary + 1 and mlps == rotary  # Qwen3: 4 norms per layer and the final one
     assert "fused kernels: off" in plain_log
     for a, b in zip(plain, fused, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-2), (a, b)

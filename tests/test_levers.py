@@ -52,12 +52,12 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
         enable_checkpointing(model, keep_attention, offload=hooks)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
-        from ulysses_train.fused_kernels import install_fused_rotary
+        from ulysses_train.fused_kernels import install_fused_mlp, install_fused_rotary
         from ulysses_train.lean_norm import install_lean_norms
 
         assert install_lean_norms(model, fused=lean == "fused") > 0
         if lean == "fused":
-            assert install_fused_rotary(model) == model.config.num_hidden_layers
+            assert install_fused_rotary(model) == install_fused_mlp(model) == model.config.num_hidden_layers
     if tiled:
         from ulysses_train.tiled_mlp import enable_tiled_mlp
 
@@ -110,7 +110,7 @@ def test_levers_do_not_change_loss_or_gradients(sp):
                                                      "kernels on CPU")
 @pytest.mark.parametrize("sp", [1, 2])
 def test_fused_kernels_with_every_lever_do_not_change_loss_or_gradients(sp):
-    """Our Triton RMSNorm and rotary (ulysses_train/fused_kernels.py) inside checkpointed layers that keep and
+    """Our Triton RMSNorm, rotary and SwiGLU (ulysses_train/fused_kernels.py) inside checkpointed layers that keep and
     offload their attention outputs, with tiled MLP and the fused loss: the same loss and gradients as the plain
     model, and the attention kernel still runs once per layer."""
     base_loss, base_grads, _, _ = _run(sp, False, "plain", False)

@@ -100,8 +100,9 @@ class TrainConfig:
     lean_norm: bool = _f(True, "Llama-style RMSNorms save their input in the model dtype and one fp32 number per "
                                "row for the backward, instead of an fp32 copy of the input (4 bytes less per "
                                "element in bf16; the same forward, bit for bit).")
-    fused_kernels: str = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm) and the rotary embedding: "
-                                    "one kernel each way instead of seven and five small ones (docs/benchmarks.md). "
+    fused_kernels: str = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the rotary embedding "
+                                    "and the SwiGLU product: one kernel each way instead of up to seven small ones "
+                                    "(docs/benchmarks.md). "
                                     "auto: on for CUDA devices with Triton installed. off: transformers' ops.",
                             FUSED_KERNELS)
     rope_scaling: str = _f("none", "yarn: YaRN rescaling of rotary positions for sequences past the model's "

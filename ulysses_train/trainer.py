@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
-from .fused_kernels import install_fused_rotary, resolve_fused_kernels
+from .fused_kernels import install_fused_mlp, install_fused_rotary, resolve_fused_kernels
 from .lean_norm import install_lean_norms
 from .memory_profile import MemoryProfiler
 from .zero_master import share_master_weights
@@ -129,9 +129,14 @@ class Trainer:
                  f"params | {self.model_config.num_hidden_layers} layers | loss {cfg.loss} | "
                  f"checkpointing {cfg.gradient_checkpointing} (attention kept: {self.keep_attention}, "
                  f"offload: {self.offload is not None}) | tiled MLP: {bool(self.tiled_mlp)} | lean norms: {self.lean_norms} | "
-                 f"fused kernels: {f'{self.lean_norms} norms, {self.fused_rotary} rotary' if self.fused_kernels else 'off'}"
+                 f"fused kernels: {self._fused_summary()}"
                  f" | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
+
+    def _fused_summary(self) -> str:
+        if not self.fused_kernels:
+            return "off"
+        return f"{self.lean_norms} norms, {self.fused_rotary} rotary, {self.fused_mlps} SwiGLU"
 
     def _build_model(self, sp_size: int):
         """The HF model with the levers applied: checkpointing (kept attention, offload), loss head, lean norms, tiled
@@ -144,11 +149,12 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_checkpointing(model, self.keep_attention, self.offload)
         install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
-        # fused kernels: our Triton RMSNorm (lean, like --lean_norm) and rotary; else the lean norm in PyTorch ops
+        # fused kernels: our Triton RMSNorm (lean, like --lean_norm), rotary and SwiGLU; else the lean norm in PyTorch
         self.fused_kernels = resolve_fused_kernels(cfg.fused_kernels, self.device)
         self.lean_norms = install_lean_norms(model, fused=self.fused_kernels) if cfg.lean_norm or \
             self.fused_kernels else 0
         self.fused_rotary = install_fused_rotary(model) if self.fused_kernels else 0
+        self.fused_mlps = install_fused_mlp(model) if self.fused_kernels else 0
         local_tokens = cfg.seq_len // sp_size * self.micro
         intermediate = getattr(self.model_config, "intermediate_size", 0)
         self.tiled_mlp = should_tile(cfg.tiled_mlp, local_tokens, intermediate, self.dtype.itemsize) and \
