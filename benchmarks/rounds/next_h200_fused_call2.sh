@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prepared in session 5 (2026-12-01), which had no device time left, for the first calls of the next session on one
+# nvidia-h200: call 1 parks FA4's first half (benchmarks/rounds/2026-12-01_x2_callC1.sh, carry [".fa4a"]); this is
+# call 2, right after it (carry [".fa4b", ".whl"]): the GPU tests (the fused kernels on CUDA, bf16 tightly), each
+# fused kernel against the ops it replaces, then 64k with the fused kernels (the default) and TRL at 64k, in one
+# queue. Call 3 (next_h200_fused_call3.sh) runs 131k and 64k without the fused kernels. Rename both after the date they ran when recording the numbers.
+set -u
+cp .fa4b/* /tmp/fa4/ && cat /tmp/fa4/part_* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+  && rm /tmp/fa4/part_*
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa4/*.whl .whl/*.whl
+export SKIP_INSTALL=1 R=/tmp/r2 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD; mkdir -p $R
+(sleep 560; tar czf $OUT/r2.tgz -C $R .) &
+timeout 60 python3 benchmarks/kernel_bench.py --seq 65536 131072 --json $R/s5_kernels.json > $R/kernels.log 2>&1
+S="--ds_config ds_configs/zero3_bf16_states.json --offload_activations"
+bash benchmarks/gpu_round.sh tests "BENCH_TIMEOUT=150" "BENCH_ARGS='--profile_step 3'" "bench:s5_ours64:65536:4:$S" \
+  "BENCH_ARGS=" "peer:trl64:65536:3" > /dev/null 2>&1
+cat $R/kernels.log $R/summary.log
+tar czf $OUT/r2.tgz -C $R . && cp $R/summary.log $R/kernels.log $OUT/

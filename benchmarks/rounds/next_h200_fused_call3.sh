@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Prepared in session 5, the next session's call 3 on the same warm nvidia-h200 (carry [".whl"]; FA4 is installed in
+# /tmp/site since call 2): 131k tokens with the fused kernels, TRL at 131k, and 64k with `--fused_kernels off` (the
+# same build without our kernels), in one queue.
+set -u
+export SKIP_INSTALL=1 R=/tmp/r3 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD; mkdir -p $R
+(sleep 560; tar czf $OUT/r3.tgz -C $R .) &
+S="--ds_config ds_configs/zero3_bf16_states.json --offload_activations"
+bash benchmarks/gpu_round.sh "BENCH_TIMEOUT=230" "bench:s5_ours131:131072:3:$S" "BENCH_TIMEOUT=280" \
+  "peer:trl131:131072:2" "BENCH_TIMEOUT=130" "bench:s5_off64:65536:4:$S --fused_kernels off" > /dev/null 2>&1
+cat $R/summary.log
+tar czf $OUT/r3.tgz -C $R . && cp $R/summary.log $OUT/
