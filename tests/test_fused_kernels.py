@@ -167,6 +167,7 @@ def test_fused_kernels_flag(monkeypatch):
         resolve_fused_kernels("on", torch.device("cpu"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the trainer runs bf16: tests/test_gpu.py compares it")
 def test_trainer_with_fused_kernels_on_matches_off(tmp_path):
     """The real trainer (one process, fp32 on CPU, kernels interpreted) with `--fused_kernels on` against `off`:
     the log names what was patched, and each step's loss and gradient norm agree."""
