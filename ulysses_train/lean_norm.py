@@ -6,8 +6,10 @@ model. Qwen3 applies it four times per layer (before attention, before the MLP, 
 recomputed layer holds 6 x (2 x hidden + heads x head_dim + kv_heads x head_dim) bytes per token in norms alone.
 This Function computes exactly the same forward (the same ops in the same order, so the same bits) but saves the
 input in its own dtype and one fp32 inverse RMS per row, and rebuilds the normalised values in the backward:
-2 bytes per element. Liger-Kernel and Apex do the same with fused kernels; we stay in PyTorch ops so the numbers
-match transformers' bit for bit in the forward and within rounding in the backward, on any device.
+2 bytes per element. Liger-Kernel and Apex do the same with fused kernels; this version stays in PyTorch ops so the
+numbers match transformers' bit for bit in the forward and within rounding in the backward, on any device. On CUDA,
+`--fused_kernels` runs the same computation as one Triton kernel each way (fused_kernels.rms_norm), installed by
+the same matching below.
 
 Only modules whose `forward` is transformers' Llama RMSNorm, byte code for byte code, are replaced; any other
 norm (Gemma's 1 + weight, OLMo's, ...) is left alone.
