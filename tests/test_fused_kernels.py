@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.models import tiny_config
-from ulysses_train.fused_kernels import (RotaryFunction, SiLUMulFunction, install_fused_mlp, install_fused_rotary,
-                                         kernels_run_on, resolve_fused_kernels, rms_norm, triton_importable)
+from ulysses_train.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rms_norm, triton_importable
+from ulysses_train.fused_patch import install_fused_mlp, install_fused_rotary, resolve_fused_kernels, self_check
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_run_on(DEVICE), reason="needs Triton (pip install triton); on CPU its "
@@ -142,7 +142,7 @@ def test_rotary_outside_the_standard_layout_falls_back():
     does not cover (here unsqueeze_dim=2, the (b, s, h, d) convention) goes to transformers' own function."""
     from transformers.models.qwen3 import modeling_qwen3
 
-    from ulysses_train.fused_kernels import _with_fused_rotary
+    from ulysses_train.fused_patch import _with_fused_rotary
 
     original = modeling_qwen3.apply_rotary_pos_emb
     seen = _with_fused_rotary(lambda: modeling_qwen3.apply_rotary_pos_emb, vars(modeling_qwen3))()
@@ -159,12 +159,41 @@ def test_fused_kernels_flag(monkeypatch):
     error that names the flag."""
     from ulysses_train.config import ConfigError
 
-    assert resolve_fused_kernels("off", DEVICE) is False
-    assert resolve_fused_kernels("auto", torch.device("cpu")) is False
-    assert resolve_fused_kernels("auto", torch.device("cuda")) is triton_importable()
+    assert resolve_fused_kernels("off", DEVICE, torch.float32) == (False, "off")
+    assert resolve_fused_kernels("auto", torch.device("cpu"), torch.float32) == (False, "off")
+    assert resolve_fused_kernels("on", DEVICE, torch.float32) == (True, "on")  # the self-check passes here
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="--fused_kernels"):
-        resolve_fused_kernels("on", torch.device("cpu"))
+        resolve_fused_kernels("on", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_passes_and_catches_a_wrong_kernel(dtype, monkeypatch):
+    """Before a run uses the kernels, each runs forward and backward against the ops it replaces: here it passes,
+    and a kernel made wrong on purpose (SwiGLU's output 10% too large) is named; `on` then stops with that reason."""
+    from ulysses_train import fused_patch
+    from ulysses_train.config import ConfigError
+
+    assert self_check(DEVICE, dtype) is None
+
+    class TenPercentOff:
+        @staticmethod
+        def apply(gate, up):
+            return SiLUMulFunction.apply(gate, up * 1.1)
+    monkeypatch.setattr(fused_patch, "SiLUMulFunction", TenPercentOff)
+    problem = self_check(DEVICE, dtype)
+    assert problem is not None and problem.startswith("silu_mul's output differs from PyTorch's by ")
+    with pytest.raises(ConfigError, match="self-check failed: silu_mul"):
+        resolve_fused_kernels("on", DEVICE, dtype)
+
+
+def test_auto_falls_back_when_the_kernels_cannot_run():
+    """A CUDA device where Triton is installed but the kernels fail (here: no CUDA at all in this torch): auto runs
+    transformers' ops and says why in the log line; it never stops the run."""
+    if torch.cuda.is_available() or not triton_importable():
+        pytest.skip("needs a machine without CUDA, with Triton")
+    on, note = resolve_fused_kernels("auto", torch.device("cuda"), torch.bfloat16)
+    assert on is False and note.startswith("off (auto: the self-check failed: ")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the trainer runs bf16: tests/test_gpu.py compares it")

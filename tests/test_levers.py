@@ -52,7 +52,7 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
         enable_checkpointing(model, keep_attention, offload=hooks)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
-        from ulysses_train.fused_kernels import install_fused_mlp, install_fused_rotary
+        from ulysses_train.fused_patch import install_fused_mlp, install_fused_rotary
         from ulysses_train.lean_norm import install_lean_norms
 
         assert install_lean_norms(model, fused=lean == "fused") > 0

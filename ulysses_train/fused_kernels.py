@@ -30,14 +30,10 @@ them with transformers' own functions, forward and backward. Triton is imported 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
-import sys
 import types
 
 import torch
-
-FUSED_KERNEL_MODES = ("auto", "on", "off")
 
 
 def triton_importable() -> bool:
@@ -271,101 +267,3 @@ def _launch_silu_mul(gate, up, grad_out, out, grad_up):
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# ---- installing the rotary kernel into a transformers model ----
-
-def _code_key(fn) -> tuple | None:
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    if code is None:
-        return None
-    return code.co_code, code.co_names, tuple(c for c in code.co_consts if not isinstance(c, str))
-
-
-def _standard_rotary_module(module_globals: dict) -> bool:
-    """The modeling file's apply_rotary_pos_emb and rotate_half are transformers' Llama ones (Qwen2/3, Qwen3-MoE,
-    Mistral, ... copy them); interleaved or partial rotary variants (GLM, Cohere, Phi) are not."""
-    from transformers.models.llama import modeling_llama as llama
-
-    return all(name in module_globals and _code_key(module_globals[name]) == _code_key(getattr(llama, name))
-               for name in ("apply_rotary_pos_emb", "rotate_half"))
-
-
-def _with_fused_rotary(forward, module_globals: dict):
-    """The attention forward, with the modeling file's apply_rotary_pos_emb swapped for ours while it runs, so that
-    only this model's attention modules use it (the swap also covers the recomputed forward of a checkpoint)."""
-    original = module_globals["apply_rotary_pos_emb"]
-
-    def fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if not rotary_fits(q, k, cos, sin, unsqueeze_dim):
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return RotaryFunction.apply(q, cos, sin), RotaryFunction.apply(k, cos, sin)
-
-    @functools.wraps(forward)
-    def attention_forward(*args, **kwargs):
-        module_globals["apply_rotary_pos_emb"] = fused_apply_rotary_pos_emb
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            module_globals["apply_rotary_pos_emb"] = original
-    return attention_forward
-
-
-def install_fused_rotary(model: torch.nn.Module) -> int:
-    """Routes the rotary embedding of every attention module whose modeling file uses the standard Llama rotary
-    through RotaryFunction; returns how many modules were patched."""
-    patched = 0
-    for module in model.modules():
-        module_globals = getattr(sys.modules.get(type(module).__module__), "__dict__", {})
-        code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-        if code is None or "apply_rotary_pos_emb" not in code.co_names:
-            continue
-        if getattr(module, "_fused_rotary", False) or not _standard_rotary_module(module_globals):
-            continue
-        module.forward = _with_fused_rotary(module.forward, module_globals)
-        module._fused_rotary = True
-        patched += 1
-    return patched
-
-
-def _fused_mlp_forward(self, x):
-    return self.down_proj(SiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
-
-
-_FUSED_MLP_CLASSES: dict[type, type] = {}
-
-
-def install_fused_mlp(model: torch.nn.Module) -> int:
-    """Swaps the class of every dense SwiGLU MLP whose forward is transformers' Llama one with SiLU (Qwen2/3,
-    Mistral, Qwen3-MoE's dense layers) for one that runs silu(gate) * up as SiLUMulFunction; returns how many.
-    Composes with --tiled_mlp, whose tiles call the class's forward."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    reference, patched = _code_key(LlamaMLP.forward), 0
-    for module in model.modules():
-        cls = type(module)
-        if cls in _FUSED_MLP_CLASSES.values() or _code_key(cls.forward) != reference:
-            continue
-        if type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-            continue
-        if cls not in _FUSED_MLP_CLASSES:
-            _FUSED_MLP_CLASSES[cls] = type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_mlp_forward})
-        module.__class__ = _FUSED_MLP_CLASSES[cls]
-        patched += 1
-    return patched
-
-
-def resolve_fused_kernels(mode: str, device: torch.device) -> bool:
-    """--fused_kernels: auto = on for CUDA devices where Triton is installed; on = required (on the CPU only under
-    Triton's interpreter, which the tests use); off = transformers' own ops (with --lean_norm's RMSNorm)."""
-    from .config import ConfigError
-
-    if mode == "off":
-        return False
-    if mode == "auto":
-        return device.type == "cuda" and triton_importable()
-    if kernels_run_on(device):
-        return True
-    why = "Triton is not installed (pip install triton)" if not triton_importable() else \
-        f"they run on CUDA devices (or on the CPU under TRITON_INTERPRET=1, slowly), and this run is on {device.type}"
-    raise ConfigError(f"--fused_kernels on: {why}; use --fused_kernels auto or off")

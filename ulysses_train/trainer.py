@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
 from .checkpointing import HostOffload, enable_checkpointing
-from .fused_kernels import install_fused_mlp, install_fused_rotary, resolve_fused_kernels
+from .fused_patch import install_fused_mlp, install_fused_rotary, resolve_fused_kernels
 from .lean_norm import install_lean_norms
 from .memory_profile import MemoryProfiler
 from .zero_master import share_master_weights
@@ -135,7 +135,7 @@ class Trainer:
 
     def _fused_summary(self) -> str:
         if not self.fused_kernels:
-            return "off"
+            return self.fused_note
         return f"{self.lean_norms} norms, {self.fused_rotary} rotary, {self.fused_mlps} SwiGLU"
 
     def _build_model(self, sp_size: int):
@@ -150,7 +150,7 @@ class Trainer:
             enable_checkpointing(model, self.keep_attention, self.offload)
         install_loss_head(model, fused=cfg.loss == "fused", chunk_size=cfg.loss_chunk_size)
         # fused kernels: our Triton RMSNorm (lean, like --lean_norm), rotary and SwiGLU; else the lean norm in PyTorch
-        self.fused_kernels = resolve_fused_kernels(cfg.fused_kernels, self.device)
+        self.fused_kernels, self.fused_note = resolve_fused_kernels(cfg.fused_kernels, self.device, self.dtype)
         self.lean_norms = install_lean_norms(model, fused=self.fused_kernels) if cfg.lean_norm or \
             self.fused_kernels else 0
         self.fused_rotary = install_fused_rotary(model) if self.fused_kernels else 0
