@@ -102,8 +102,9 @@ class TrainConfig:
                                "element in bf16; the same forward, bit for bit).")
     fused_kernels: str = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the rotary embedding "
                                     "and the SwiGLU product: one kernel each way instead of up to seven small ones "
-                                    "(docs/benchmarks.md). "
-                                    "auto: on for CUDA devices with Triton installed. off: transformers' ops.",
+                                    "(docs/benchmarks.md). auto: on for CUDA devices with Triton installed, if a "
+                                    "self-check against the ops they replace passes (else those ops, the reason "
+                                    "logged). on: required. off: transformers' ops.",
                             FUSED_KERNELS)
     rope_scaling: str = _f("none", "yarn: YaRN rescaling of rotary positions for sequences past the model's "
                                    "pretrained length; rope_theta and that length are read from the model config.",
