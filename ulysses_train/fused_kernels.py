@@ -192,7 +192,7 @@ class RMSNormFunction(torch.autograd.Function):
         programs = triton_cdiv(m, rows_per_program)
         dw = torch.empty(programs, n, dtype=torch.float32, device=rows.device)
         _kernels().rms_backward[(programs,)](dy, rows, weight, rstd, dx, dw, m, n, rows_per_program,
-                                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         grad_weight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.x_shape), grad_weight, None
 
@@ -209,8 +209,8 @@ def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dt
     assert cos.stride() == sin.stride()
     half = d // 2
     _kernels().rotary[(s, b)](x, cos, sin, out, h, *x.stride(), *out.stride(), *cos.stride(),
-                   HALF=half, BLOCK_H=_next_pow2(h), BLOCK_D=_next_pow2(half), REVERSE=reverse,
-                   num_warps=4 if h * d >= 2048 else 2)
+                              HALF=half, BLOCK_H=_next_pow2(h), BLOCK_D=_next_pow2(half), REVERSE=reverse,
+                              num_warps=4 if h * d >= 2048 else 2)
     return out
 
 

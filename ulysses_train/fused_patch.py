@@ -16,7 +16,9 @@ import torch
 from .fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rms_norm, rotary_fits, triton_importable
 
 
-def _code_key(fn) -> tuple | None:
+def code_key(fn) -> tuple | None:
+    """What makes two functions the same code (byte code, names, constants other than docstrings), so that a
+    modeling file's copy of a Llama function matches it; None for objects without Python code."""
     code = getattr(inspect.unwrap(fn), "__code__", None)
     if code is None:
         return None
@@ -28,7 +30,7 @@ def _standard_rotary_module(module_globals: dict) -> bool:
     Mistral, ... copy them); interleaved or partial rotary variants (GLM, Cohere, Phi) are not."""
     from transformers.models.llama import modeling_llama as llama
 
-    return all(name in module_globals and _code_key(module_globals[name]) == _code_key(getattr(llama, name))
+    return all(name in module_globals and code_key(module_globals[name]) == code_key(getattr(llama, name))
                for name in ("apply_rotary_pos_emb", "rotate_half"))
 
 
@@ -82,10 +84,10 @@ def install_fused_mlp(model: torch.nn.Module) -> int:
     Composes with --tiled_mlp, whose tiles call the class's forward."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    reference, patched = _code_key(LlamaMLP.forward), 0
+    reference, patched = code_key(LlamaMLP.forward), 0
     for module in model.modules():
         cls = type(module)
-        if cls in _FUSED_MLP_CLASSES.values() or _code_key(cls.forward) != reference:
+        if cls in _FUSED_MLP_CLASSES.values() or code_key(cls.forward) != reference:
             continue
         if type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
             continue

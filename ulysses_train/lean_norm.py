@@ -51,28 +51,22 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _reference_code():
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return LlamaRMSNorm.forward.__code__
-
-
-def _same_code(a, b) -> bool:
-    return a.co_code == b.co_code and a.co_consts == b.co_consts and a.co_names == b.co_names
-
-
 _LEAN_CLASSES: dict[tuple[type, bool], type] = {}
 
 
 def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
     """Swaps every Llama-style RMSNorm in `model` for the lean one (in place); returns how many were swapped.
     fused: the same computation as one Triton kernel each way (fused_kernels.rms_norm, `--fused_kernels`)."""
-    reference, swapped = _reference_code(), 0
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from .fused_patch import code_key
+
+    reference, swapped = code_key(LlamaRMSNorm.forward), 0
     for module in model.modules():
         cls = type(module)
         if cls in _LEAN_CLASSES.values():
             continue
-        if not hasattr(module, "variance_epsilon") or not _same_code(cls.forward.__code__, reference):
+        if not hasattr(module, "variance_epsilon") or code_key(cls.forward) != reference:
             continue
         if (cls, fused) not in _LEAN_CLASSES:
             prefix, forward = ("Fused", _fused_forward) if fused else ("Lean", _lean_forward)
