@@ -200,21 +200,14 @@ def test_auto_falls_back_when_the_kernels_cannot_run():
 def test_trainer_with_fused_kernels_on_matches_off(tmp_path):
     """The real trainer (one process, fp32 on CPU, kernels interpreted) with `--fused_kernels on` against `off`:
     the log names what was patched, and each step's loss and gradient norm agree."""
-    import json
-    import os
-    import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from tests.test_train_e2e import metrics, run
+
     runs = {}
     for mode in ("on", "off"):
-        out = tmp_path / mode
-        proc = subprocess.run([sys.executable, os.path.join(root, "launch", "train.py"), "--steps", "2",
-                               "--seq_len", "64", "--fused_kernels", mode, "--output_dir", str(out)],
-                              capture_output=True, text=True, cwd=root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[mode] = (proc.stdout + proc.stderr,
-                      [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+        proc = run([sys.executable], ["--steps", "2", "--seq_len", "64", "--fused_kernels", mode], tmp_path / mode)
+        runs[mode] = (proc.stdout + proc.stderr, metrics(tmp_path / mode))
     assert "fused kernels: 9 norms, 2 rotary, 2 SwiGLU" in runs["on"][0]  # the tiny default: 2 layers
     assert "fused kernels: off" in runs["off"][0]
     for a, b in zip(runs["off"][1], runs["on"][1], strict=True):

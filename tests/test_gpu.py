@@ -5,6 +5,8 @@ result with the unsharded bf16 result of the same kernel (same per-head arithmet
 values covers kernel tiling differences across sequence lengths) and with an fp32 reference at ~1e-2 relative norm
 (bf16 has 8 mantissa bits)."""
 
+import re
+
 import pytest
 import torch
 
@@ -163,18 +165,14 @@ def test_profile_memory_on_cuda_writes_snapshot_and_picture(tmp_path):
 
 
 def _train_on_cuda(out, *flags):
-    import json
-    import os
-    import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "launch", "train.py"), "--steps", "4", "--seq_len",
-                           "4096", "--lr", "3e-3", "--ds_config", "ds_configs/zero3_bf16_states.json",
-                           "--output_dir", str(out), *flags], capture_output=True, text=True, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return proc.stdout + proc.stderr, records
+    from tests.test_train_e2e import metrics, run
+
+    # 4 steps at lr 3e-3 (the e2e tests' common flags), 4096 tokens, bf16 optimizer states
+    proc = run([sys.executable], ["--seq_len", "4096", "--ds_config", "ds_configs/zero3_bf16_states.json", *flags],
+               out)
+    return proc.stdout + proc.stderr, metrics(out)
 
 
 def test_pinned_pool_and_shared_master_train_as_the_plain_run(tmp_path):
@@ -235,7 +233,6 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
         assert _rel(grad, results[False][1][name]) < 1e-2, name
 
 
-@pytest.mark.gpu
 def test_fused_kernels_train_as_transformers_ops(tmp_path):
     """The real trainer on CUDA, 4 steps, with our Triton norms, rotary and SwiGLU (the default `auto` there) against
     transformers' ops with the lean norm: the log names the kernels, and losses and gradient norms agree to bf16
@@ -243,8 +240,6 @@ def test_fused_kernels_train_as_transformers_ops(tmp_path):
     the kernels one by one on this GPU."""
     fused_log, fused = _train_on_cuda(tmp_path / "fused", "--offload_activations")
     plain_log, plain = _train_on_cuda(tmp_path / "plain", "--offload_activations", "--fused_kernels", "off")
-    import re
-
     found = re.search(r"fused kernels: (\d+) norms, (\d+) rotary, (\d+) SwiGLU", fused_log)
     norms, rotary, mlps = map(int, found.groups())
     assert rotary > 0 and norms == 4 * rotary + 1 and mlps == rotary  # Qwen3: 4 norms per layer and the final one

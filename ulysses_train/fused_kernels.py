@@ -36,6 +36,7 @@ import types
 import torch
 
 
+@functools.lru_cache(maxsize=None)
 def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
