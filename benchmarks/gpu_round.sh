@@ -38,7 +38,7 @@ for part in "$@"; do
     loss:*) IFS=: read -r _ label <<< "$part"
       timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/loss_bench.py --json "$R/$label.json" > "$R/$label.log" 2>&1
       echo "[$label] rc=$?"; tail -n 12 "$R/$label.log" ;;
-    tests) timeout 300 python3 -m pytest -q -rs tests/test_gpu.py > "$R/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" ;;
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs tests/test_gpu.py > "$R/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" ;;
     *=*) eval "$part" ;;  # NAME=VALUE sets a variable for the parts after it
     bench:*) IFS=: read -r _ label seq steps flags <<< "$part"; bench "$label" "$seq" "$steps" $flags ;;
     peer:*) IFS=: read -r _ label seq steps <<< "$part"; peer "$label" "$seq" "$steps" ;;
