@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_round.sh env tests "bench:LABEL:SEQ:STEPS:FLAGS" "peer:LABEL:SEQ:STEPS" ...
 #   (also "attn:LABEL:SEQS" for benchmarks/attn_bench.py, "loss:LABEL" for benchmarks/loss_bench.py)
 # Parts run in the order given; the table of BENCH/RESULT lines is printed last. VAR=VALUE parts set, for the parts
-# after them: LAUNCH (e.g. "torchrun --nproc_per_node 2"), BENCH_TIMEOUT, LAYERS (peer depth) and BENCH_ARGS
+# after them: LAUNCH (e.g. "torchrun --nproc_per_node 2"), BENCH_TIMEOUT, LAYERS (peer depth), TESTS (the test files of
+# "tests", tests/test_gpu.py by default), TEST_TIMEOUT and BENCH_ARGS
 # (step_bench's own flags, e.g. "--profile_step 3" for the per-kernel breakdown).
 # Environment: GPU=N pins every part to that GPU (two rounds on two GPUs can run at once, see benchmarks/rounds/);
 # R=DIR writes the logs there instead of $OUT (a device call returns at most 8 files: tar R at the end);
@@ -38,7 +39,7 @@ for part in "$@"; do
     loss:*) IFS=: read -r _ label <<< "$part"
       timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/loss_bench.py --json "$R/$label.json" > "$R/$label.log" 2>&1
       echo "[$label] rc=$?"; tail -n 12 "$R/$label.log" ;;
-    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs tests/test_gpu.py > "$R/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" ;;
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs ${TESTS:-tests/test_gpu.py} > "$R/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" ;;
     *=*) eval "$part" ;;  # NAME=VALUE sets a variable for the parts after it
     bench:*) IFS=: read -r _ label seq steps flags <<< "$part"; bench "$label" "$seq" "$steps" $flags ;;
     peer:*) IFS=: read -r _ label seq steps <<< "$part"; peer "$label" "$seq" "$steps" ;;

@@ -164,6 +164,33 @@ def test_profile_memory_on_cuda_writes_snapshot_and_picture(tmp_path):
     assert peak["model states"] > 0 and peak["gradients"] > 0 and peak["recomputed layer"] > 0
 
 
+def test_pinned_pool_unregisters_its_memory_when_released():
+    """Buffers registered with cudaHostRegister are unregistered before they can be freed, by `release` or when the
+    pool is collected: memory freed while still registered made later host-to-GPU copies at the same addresses fail
+    ("invalid argument") in this test process. A view kept past the pool holds its memory alive, so whether CUDA still
+    counts it as pinned shows the registration (is_pinned asks cudaPointerGetAttributes)."""
+    import gc
+
+    from ulysses_train.checkpointing import PinnedPool
+
+    for explicit in (True, False):
+        pool = PinnedPool(pin=True)
+        buf = pool.take((1 << 22,), torch.bfloat16)
+        assert buf.is_pinned() and len(pool.registered) == 1
+        gpu = torch.ones_like(buf, device="cuda")
+        buf.copy_(gpu, non_blocking=True)  # a copy in flight when the pool goes
+        if explicit:
+            pool.release()
+            assert pool.registered == [] and pool.bytes == 0
+        del pool
+        gc.collect()
+        assert not buf.is_pinned(), explicit
+        assert torch.equal(buf.cuda(), gpu)  # the finished copy, read back from pageable memory
+    for _ in range(4):  # fresh host tensors of that size, likely at the addresses just freed, copy as usual
+        host = torch.ones(1 << 22, dtype=torch.bfloat16)
+        assert torch.equal(host.cuda(), gpu)
+
+
 def _train_on_cuda(out, *flags):
     import sys
 

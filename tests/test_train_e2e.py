@@ -19,7 +19,9 @@ KEYS = {"step", "loss", "grad_norm", "num_tokens", "tokens_per_s", "step_time_s"
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # ROOT first, then whatever the caller had (the GPU host puts its offline wheels on PYTHONPATH)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def run(launcher: list, args: list, out_dir, expect_ok=True) -> subprocess.CompletedProcess:

@@ -52,13 +52,19 @@ class PinnedPool:
     checkpoints (6.75 and 13.5 GiB) plus ~2 GiB of process. Here pageable memory is registered with CUDA
     (cudaHostRegister, as torch's own checkpoint stager does); if that fails we fall back to torch's pinned memory.
     Measured since (session 4): host peak minus offloaded bytes is 2.8 GiB at 64k and 2.2 GiB at 131k, the process.
-    `pin=False` gives plain host memory (what the tests exercise)."""
+    `pin=False` gives plain host memory (what the tests exercise).
+
+    The pool holds every buffer it made (idle or lent), so none is freed while registered; `release` (also run when
+    the pool is collected) unregisters them. Memory freed while still registered would stay known to CUDA: a later
+    host allocation at the same address then fails its copies with "invalid argument" (seen on the H200 in a test
+    process that built a second model after an offloaded one)."""
 
     def __init__(self, pin: bool):
         self.pin = pin
         self.free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> idle buffers
         self.lent: list[torch.Tensor] = []
         self.bytes = 0  # all buffers, idle or lent
+        self.registered: list[int] = []  # data pointers registered with cudaHostRegister
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -75,11 +81,28 @@ class PinnedPool:
     def _new(self, nbytes: int) -> torch.Tensor:
         self.bytes += nbytes
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        if self.pin and int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+        if not self.pin:
+            return buf
+        if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
             warnings.warn("cudaHostRegister failed: offloaded tensors use PyTorch's pinned memory (rounded up to "
                           "powers of two) instead")
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.registered.append(buf.data_ptr())
         return buf
+
+    def release(self) -> None:
+        """Unregister and drop every buffer, after the copies in flight have finished. Idempotent."""
+        if self.registered:
+            torch.cuda.synchronize()
+            for ptr in self.registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.registered, self.free, self.lent, self.bytes = [], defaultdict(list), [], 0
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: CUDA may be gone already, and the process frees everything anyway
+            pass
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):

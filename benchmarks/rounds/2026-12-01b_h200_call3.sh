@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared in session 5, the next session's call 3 on the same warm nvidia-h200 (carry [".whl"]; FA4 is installed in
+# Prepared in session 5, ran as session 6's call 3 (2026-12-01) on the same warm nvidia-h200 (carry [".whl"]; FA4 is installed in
 # /tmp/site since call 2): 131k tokens with the fused kernels, TRL at 131k, and 64k with `--fused_kernels off` (the
 # same build without our kernels), in one queue.
 set -u

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Prepared in session 5 (2026-12-01), which had no device time left, for the first calls of the next session on one
+# Prepared in session 5 (2026-12-01), which had no device time left; ran in session 6 (2026-12-01) as its call 2 on one
 # nvidia-h200: call 1 parks FA4's first half (benchmarks/rounds/2026-12-01_x2_callC1.sh, carry [".fa4a"]); this is
 # call 2, right after it (carry [".fa4b", ".whl"]): the GPU tests (the fused kernels on CUDA, bf16 tightly), each
 # fused kernel against the ops it replaces, then 64k with the fused kernels (the default) and TRL at 64k, in one
-# queue. Call 3 (next_h200_fused_call3.sh) runs 131k and 64k without the fused kernels. Rename both after the date they ran when recording the numbers.
+# queue. Call 3 (2026-12-01b_h200_call3.sh) runs 131k and 64k without the fused kernels.
 set -u
 cp .fa4b/* /tmp/fa4/ && cat /tmp/fa4/part_* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
   && rm /tmp/fa4/part_*
