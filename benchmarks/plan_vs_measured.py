@@ -19,7 +19,8 @@ for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs
         continue
     config = load_model_config(None, "qwen3-4b", r["layers"])
     levers = Levers(keep_attention=r["keep_attention"], offload_activations="--offload_activations" in argv,
-                    tiled_mlp="on" in argv or ("off" not in argv and t * config.intermediate_size * 2 > 2 * GiB),
+                    tiled_mlp=r.get("tiled_mlp", "on" in argv or ("off" not in argv and
+                                                              t * config.intermediate_size * 2 > 2 * GiB)),
                     bf16_states="ds_configs/zero3_bf16_states.json" in argv,
                     offload_optimizer="ds_configs/zero3_offload.json" in argv,
                     # k and v were expanded before 2026-11-30 (session 3); every session-4 run (s4_*) is bf16 with
@@ -27,7 +28,8 @@ for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs
                     gqa_native=r.get("gqa_native", os.path.basename(path).startswith("s4_")),
                     share_master=r.get("master_shared", False),  # DeepSpeed's separate master copy before then
                     offload_kept=r.get("kept_offloaded", False),  # results before the change kept them on the GPU
-                    lean_norm=r.get("lean_norm", False))  # and had transformers' norms
+                    lean_norm=r.get("lean_norm", False),  # and had transformers' norms
+                    fused_kernels=r.get("fused_kernels", False))  # recorded since session 6
     est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
     print(f"| {os.path.basename(path)[:-5]} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | {r['peak_gpu_gib']:.1f} | {est:.1f} | "
           f"{100 * (est / r['peak_gpu_gib'] - 1):+.1f}% |")

@@ -32,7 +32,7 @@ def test_components_by_hand():
     plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False, gqa_native=False))["gpu"]["layer working set"]
     lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True, gqa_native=False))["gpu"]["layer working set"]
     assert plain_norms - lean_norms == 4 * t * (64 + 64 + 32)  # fp32 copies: input norm, q norm, k norm
-    from ulysses_train.plan import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA
+    from ulysses_train.plan import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA, FUSED_ROTARY_SAVING
 
     wide_attention = dict(g, inter=8)  # so that attention, not the MLP, is the larger part of the layer
     expanded = estimate(wide_attention, 1024, 4, 2, Levers(gqa_native=False))["gpu"]["layer working set"]
@@ -42,6 +42,12 @@ def test_components_by_hand():
     tiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers(tiled_mlp=True))
     untiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers())
     assert tiled["gpu"]["layer working set"] < untiled["gpu"]["layer working set"]
+    # the fused kernels: one (tokens x intermediate) tensor less where the MLP sets the peak, the rotary's
+    # temporaries less where attention does
+    fused_mlp = estimate(wide_mlp, 1 << 20, 1, 1, Levers(fused_kernels=True))
+    assert untiled["gpu"]["layer working set"] - fused_mlp["gpu"]["layer working set"] == (1 << 20) * 64 * 64 * 2
+    fused_attention = estimate(wide_attention, 1024, 4, 2, Levers(fused_kernels=True))["gpu"]["layer working set"]
+    assert native - fused_attention == pytest.approx(FUSED_ROTARY_SAVING * t * 64 * 2)
 
 
 def test_recommends_cheapest_levers_and_smallest_sp():

@@ -34,6 +34,12 @@ ATTENTION_TENSORS = 16.25
 # 4 units): the expanded path also held cuDNN's full-width gradient buffers. Models without GQA keep 16.25
 # (not measured without the copies).
 ATTENTION_TENSORS_GQA = 7.5
+# Our fused rotary (--fused_kernels) writes q and k rotated in one pass, without transformers' temporaries (q * cos,
+# rotate_half's negated half and concatenation, the product with sin, and their gradients in the backward). Measured
+# on the H200 at 131k tokens, where the attention block sets the peak: 44.99 -> 43.70 GiB with the kernels (FA4,
+# tiled MLP, docs/results/s4_auto_ours131 and s5_ours131), 1.29 units; 1.25 is used. The fused SwiGLU saves gate and
+# up only, not silu(gate): one (tokens x intermediate) tensor less, 42.25 -> 41.06 GiB at 64k (MLP-bound), exactly it.
+FUSED_ROTARY_SAVING = 1.25
 
 
 @dataclass
@@ -47,6 +53,9 @@ class Levers:
     lean_norm: bool = True  # --lean_norm (False for the runs measured before it existed)
     gqa_native: bool = True  # k and v not expanded to every head (False: runs before 2026-11-30, and fp32 on CUDA)
     share_master: bool = True  # --share_master_weights: bf16 master weights are the model's partition (False: before)
+    # --fused_kernels: off unless known to run (they run only on CUDA with Triton, after a self-check on the device),
+    # so a plan made anywhere never counts on their ~1 GiB
+    fused_kernels: bool = False
 
     def describe(self, ds_config: Optional[str] = None) -> str:
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
@@ -98,9 +107,11 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
     norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
     units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
+    units -= FUSED_ROTARY_SAVING if levers.fused_kernels else 0
     attention = units * t * g["attn_width"] * b + norm_copies
     mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
-    mlp = 6 * mlp_rows * g["inter"] * b  # gate, up, act, product + two gradients
+    # gate, up, act, product + two gradients; the fused SwiGLU keeps no act
+    mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
     layer = hidden_acts + max(attention, mlp)
     loss = loss_chunk * g["vocab"] * (4 + b) + g["vocab"] * g["hidden"] * 4 + 2 * t * g["hidden"] * b
