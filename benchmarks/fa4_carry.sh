@@ -4,7 +4,7 @@
 # machine (a machine is given back after 30 s idle: make the second call right after the first).
 #   here:      bash benchmarks/fa4_carry.sh                # fills .fa4a/ and .fa4b/ (git-ignored)
 #   call 1:    carry [".fa4a"], command: mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/
-#   call 2:    carry [".fa4b", ".whl"], command starting with:
+#   call 2:    carry [".fa4b", ".whl"], command starting with `bash benchmarks/fa4_install.sh`, which does:
 #              cp .fa4b/* /tmp/fa4/ && cat /tmp/fa4/part_* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
 #              && rm /tmp/fa4/part_* && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/fa4/*.whl .whl/*.whl \
 #              && export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD

@@ -5,11 +5,7 @@
 # fused kernel against the ops it replaces, then 64k with the fused kernels (the default) and TRL at 64k, in one
 # queue. Call 3 (2026-12-01b_h200_call3.sh) runs 131k and 64k without the fused kernels.
 set -u
-cp .fa4b/* /tmp/fa4/ && cat /tmp/fa4/part_* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
-  && rm /tmp/fa4/part_*
-# without FA4's first half (a fresh machine: call 1 went to another one) the rest still runs, on cuDNN
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa4/*.whl .whl/*.whl \
-  || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash benchmarks/fa4_install.sh
 export SKIP_INSTALL=1 R=/tmp/r2 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD; mkdir -p $R
 # every 20 s a fresh tarball replaces the last (atomic mv): a call killed at its limit still returns what ran
 (while sleep 20; do tar czf /tmp/r2.tgz -C $R . && mv /tmp/r2.tgz $OUT/r2.tgz; done) & W=$!

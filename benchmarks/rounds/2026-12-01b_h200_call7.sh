@@ -4,10 +4,7 @@
 # the MLP untiled (`--tiled_mlp off`), against call 3's s5_ours131 (auto tiles it there): what the tiling costs in
 # time and saves in memory now that the fused SwiGLU keeps one tensor less.
 set -u
-cp .fa4b/* /tmp/fa4/ && cat /tmp/fa4/part_* > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
-  && rm /tmp/fa4/part_*
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa4/*.whl .whl/*.whl \
-  || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash benchmarks/fa4_install.sh
 export SKIP_INSTALL=1 R=/tmp/r7 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD; mkdir -p $R
 (while sleep 20; do tar czf /tmp/r7.tgz -C $R . && mv /tmp/r7.tgz $OUT/r7.tgz; done) & W=$!
 S="--ds_config ds_configs/zero3_bf16_states.json --offload_activations"
