@@ -16,7 +16,7 @@ direction that reads its input once and writes its output once:
 - `rms_norm`: the lean RMSNorm of lean_norm.py (same forward arithmetic as transformers' Llama RMSNorm: upcast,
   inverse RMS, downcast, times the weight; it saves the input in its own dtype and one fp32 number per row), with
   head-sized rows (q/k norms) batched many per program and the weight's gradient summed per program in registers.
-- `apply_rotary`: rotary embedding on q or k in whatever layout they come in (the (b, h, s, d) view of the
+- `RotaryFunction`: rotary embedding on q or k in whatever layout they come in (the (b, h, s, d) view of the
   projection's (b, s, h, d) memory), writing the output in that same layout, so the attention's transpose back to
   (b, s, h, d) is free. The backward is the same kernel with the rotation reversed; only cos and sin are saved.
 - `SiLUMulFunction`: the SwiGLU MLP's silu(gate) * up in one pass each way, saving gate and up (autograd's version
@@ -25,6 +25,7 @@ direction that reads its input once and writes its output once:
 Liger-Kernel ships similar kernels; ours keep lean_norm's saving and layout rules, stay within the ops the trainer
 already patches, and run on the CPU through Triton's interpreter (TRITON_INTERPRET=1), where the tests compare
 them with transformers' own functions, forward and backward. Triton is imported only when a kernel first runs.
+Measured on the H200 (docs/benchmarks.md, session 6): the 64k step from 12.30 s without them to 10.79 s with them.
 """
 
 from __future__ import annotations

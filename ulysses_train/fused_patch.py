@@ -60,8 +60,8 @@ def install_fused_rotary(model: torch.nn.Module) -> int:
     patched = 0
     for module in model.modules():
         module_globals = getattr(sys.modules.get(type(module).__module__), "__dict__", {})
-        code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-        if code is None or "apply_rotary_pos_emb" not in code.co_names:
+        key = code_key(type(module).forward)
+        if key is None or "apply_rotary_pos_emb" not in key[1]:  # key[1]: the names the forward uses
             continue
         if getattr(module, "_fused_rotary", False) or not _standard_rotary_module(module_globals):
             continue
