@@ -128,6 +128,12 @@ class TrainConfig:
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
     tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard.")
     log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
+    verify: bool = _f(False, "Check this run against plain transformers instead of training: one step of the run as "
+                             "configured (every flag applies) at --verify_seq_len, its loss and every parameter's "
+                             "gradient compared with a single-process transformers reference on the same weights "
+                             "and tokens, in fp32 and in the run's dtype. Prints a table and the verdict; exit code "
+                             "0 within tolerance, 1 outside it (README: \"Is my run exact?\").")
+    verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).")
     profile_memory: int = _f(0, "Record memory for the first N steps: <output_dir>/memory/memory.png (stacked by "
                                 "category), memory.json and, on CUDA, PyTorch's snapshot.pickle. Slows those steps.")
 
@@ -139,7 +145,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
-                     "save_total_limit"):
+                     "save_total_limit", "verify_seq_len"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")

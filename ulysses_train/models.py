@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .attention import ATTN_NAME
+from .buffers import restore_fp32_buffers
 from .config import ConfigError
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, head_dim=128, attention_bias=False, attention_dropout=0.0,
@@ -61,13 +62,19 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
     return config
 
 
-def build_model(config, model: Optional[str], dtype: torch.dtype):
-    """Instantiates the causal LM with Ulysses attention. Call while an HfDeepSpeedConfig for ZeRO-3 is alive."""
+def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[[str], None] = lambda _: None):
+    """Instantiates the causal LM with Ulysses attention, its buffers as plain transformers makes them (see
+    buffers.py). Call while an HfDeepSpeedConfig for ZeRO-3 is alive."""
     from transformers import AutoModelForCausalLM
 
     if model:
-        return AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+        built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME)
+    else:
+        built = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
+    report = restore_fp32_buffers(built, dtype)
+    if report.restored or report.unchecked:
+        log(f"buffers: {report.describe()}")
+    return built
 
 
 def attention_heads(config) -> tuple[int, int]:

@@ -16,12 +16,14 @@ import socket
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .attention import register_ulysses_attention, resolve_kernel
+from .buffers import restore_fp32_buffers
 from .checkpointing import HostOffload, enable_checkpointing
 from .fused_patch import install_fused_mlp, install_fused_rotary, resolve_fused_kernels
 from .lean_norm import install_lean_norms
@@ -77,6 +79,9 @@ class Trainer:
 
         cfg.validate()
         self.cfg = cfg
+        # tokens per sequence this process runs: --seq_len, or with --verify the shorter check (the levers are still
+        # chosen for --seq_len, so the check sees the run as configured)
+        self.seq_len = (cfg.verify_seq_len or min(cfg.seq_len, 4096)) if cfg.verify else cfg.seq_len
         self.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
         self.model_config.use_cache = False
         self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
@@ -87,15 +92,17 @@ class Trainer:
         sp_size = cfg.sp_size or math.gcd(_local_world_size(), self.world)
         dp_size = validate_sp_size(sp_size, self.world)
         validate_heads(sp_size, *attention_heads(self.model_config))
-        if cfg.seq_len % sp_size and not cfg.pad_to_sp:
-            raise ConfigError(f"--seq_len {cfg.seq_len} is not a multiple of --sp_size {sp_size}: change it, or "
-                              f"pass --pad_to_sp to pad each sequence (padding is not trained on)")
+        lengths = {"seq_len": cfg.seq_len, "verify_seq_len": self.seq_len} if cfg.verify else {"seq_len": cfg.seq_len}
+        for flag, length in lengths.items():
+            if length % sp_size and not cfg.pad_to_sp:
+                raise ConfigError(f"--{flag} {length} is not a multiple of --sp_size {sp_size}: change it, or "
+                                  f"pass --pad_to_sp to pad each sequence (padding is not trained on)")
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
-        kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
+        self.kernel = kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
         random_init = cfg.model is None
         self.ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, dp_size, sp_size,
@@ -112,6 +119,9 @@ class Trainer:
         model = self._build_model(sp_size)
         self.module = CausalLMWithSPLoss(model)
         self.engine = self._init_engine(random_init)
+        after_engine = restore_fp32_buffers(self.module, self.dtype)  # an engine that casts buffers is undone too
+        if after_engine.restored:
+            self.log(f"buffers after deepspeed.initialize: {after_engine.describe()}")
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
         self.start_step = 0
         self.resume_from = resolve_resume(cfg.resume, cfg.output_dir)
@@ -133,6 +143,14 @@ class Trainer:
                  f" | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
 
+    def describe_setup(self) -> str:
+        """One line naming what makes this run's numbers: parallel sizes, ZeRO stage, kernel and levers."""
+        zero = self.ds["zero_optimization"].get("stage", 0)
+        return (f"ZeRO-{zero}, sp {self.groups.sp_size} x dp {self.groups.dp_size}, kernel {self.kernel}, loss "
+                f"{self.cfg.loss}, checkpointing {self.cfg.gradient_checkpointing} (attention kept "
+                f"{self.keep_attention}, offload {self.offload is not None}), tiled MLP {bool(self.tiled_mlp)}, "
+                f"fused kernels {self._fused_summary()}")
+
     def _fused_summary(self) -> str:
         if not self.fused_kernels:
             return self.fused_note
@@ -143,7 +161,7 @@ class Trainer:
         MLP."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        model = build_model(self.model_config, cfg.model, self.dtype)
+        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log)
         self.keep_attention = self._keep_attention(sp_size)
         self.offload = HostOffload() if cfg.offload_activations and self.device.type == "cuda" else None
         if cfg.gradient_checkpointing:
@@ -171,7 +189,7 @@ class Trainer:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            return tokenizer, SyntheticSource(self.model_config.vocab_size, cfg.seq_len, cfg.seed)
+            return tokenizer, SyntheticSource(self.model_config.vocab_size, self.seq_len, cfg.seed)
         result = self._try_load_corpus() if self.rank == 0 else None
         error = [result if isinstance(result, str) else None]  # only rank 0's error message crosses ranks
         dist.broadcast_object_list(error, src=0)
@@ -201,9 +219,9 @@ class Trainer:
                                       store_key(fingerprint, tokenizer), cfg.max_tokens)
             if len(store.tokens) == 0:
                 raise ConfigError(f"--dataset {cfg.dataset}: no text in column {column!r} (empty dataset or column)")
-            samples = TokenSamples(store, cfg.seq_len, tokenizer.pad_token_id or 0, cfg.last_sample == "pad")
+            samples = TokenSamples(store, self.seq_len, tokenizer.pad_token_id or 0, cfg.last_sample == "pad")
             self.log(f"data: {len(store.tokens):,} tokens in {len(store.doc_starts):,} documents -> {len(samples):,} "
-                     f"samples of {cfg.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, packing "
+                     f"samples of {self.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, packing "
                      f"{cfg.packing})")
             return tokenizer, CorpusSource(samples, cfg.packing)
         except ConfigError as e:
@@ -253,18 +271,29 @@ class Trainer:
         if self.rank == 0:
             print(message, flush=True)
 
-    def micro_batch(self, step: int, micro_step: int) -> dict:
-        """This SP group's whole sequences for one micro-step (the same on every rank of the group)."""
+    def micro_batch(self, step: int, micro_step: int, dp_rank: Optional[int] = None) -> dict:
+        """This SP group's whole sequences for one micro-step (the same on every rank of the group); or those of
+        the SP groups of another `dp_rank`."""
         g = self.groups
+        dp_rank = g.dp_rank if dp_rank is None else dp_rank
         rows = []
         for r in range(self.micro):
-            index = global_sample_index(step, micro_step, self.accum, g.dp_rank, g.dp_size, self.micro, r)
+            index = global_sample_index(step, micro_step, self.accum, dp_rank, g.dp_size, self.micro, r)
             rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
         return build_batch(rows, self.cfg.packing)
 
     def train_micro_step(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Forward + backward on one batch of whole sequences; returns (loss, valid tokens, skipped). A non-finite
-        loss on any rank stops every rank together (or, with --skip_nonfinite, skips the step on every rank)."""
+        """Forward, backward and the engine's step on one batch of whole sequences; returns (loss, valid tokens,
+        skipped)."""
+        loss, normalizer, skipped = self.forward_backward(batch, step)
+        if not skipped:
+            self.engine.step()
+        return loss, normalizer, skipped
+
+    def forward_backward(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Forward + backward on one batch of whole sequences; returns (the SP group's loss, valid tokens, skipped).
+        A non-finite loss on any rank stops every rank together (or, with --skip_nonfinite, skips the step on every
+        rank)."""
         groups = self.groups
         pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         shard = {k: v.to(self.device) for k, v in
@@ -288,7 +317,6 @@ class Trainer:
         if self.offload is not None:
             self.host_offload_gib = max(self.host_offload_gib, self.offload.host_bytes / 2**30)
             self.offload.reset()
-        self.engine.step()
         total = loss.detach().float()
         if groups.sp_size > 1:
             dist.all_reduce(total, group=groups.sp_group)
@@ -341,7 +369,7 @@ class Trainer:
                     "loss": stats[0].item() / groups.dp_size,
                     "grad_norm": grad_norm,
                     "num_tokens": int(stats[1].item()),
-                    "tokens_per_s": cfg.seq_len * self.micro * self.accum * groups.dp_size / elapsed,
+                    "tokens_per_s": self.seq_len * self.micro * self.accum * groups.dp_size / elapsed,
                     "step_time_s": elapsed,
                     "peak_mem_gib": device_peak_gib(self.device),
                     "lr": self.engine.get_lr()[0],
@@ -403,6 +431,12 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         trainer = Trainer(cfg, explicit)
+        if cfg.verify:
+            from .verify import verify
+
+            code = verify(trainer)
+            dist.barrier()
+            exit_now(code)
         history = trainer.train()
         if rank == 0 and history:
             print(f"done: {history[-1]['step']} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
