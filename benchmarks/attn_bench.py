@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.timing import cuda_median_seconds  # noqa: E402
 
 
 def cudnn_expand(q, k, v):
@@ -74,24 +79,11 @@ def check(fn, heads, kv_heads, head_dim, seq=4096) -> dict:
     return {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), results[1], results[0])}
 
 
-def timed(fn, reps, warmup):
-    times = []
-    for i in range(warmup + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def bench(fn, seq, heads, kv_heads, head_dim, reps, warmup) -> dict:
     q, k, v = inputs(seq, heads, kv_heads, head_dim)
     grad_out = torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        fwd = timed(lambda: fn(q, k, v), reps, warmup)
+        fwd = cuda_median_seconds(lambda: fn(q, k, v), reps, warmup)
 
     def fwd_bwd():
         out = fn(q, k, v)
@@ -100,7 +92,7 @@ def bench(fn, seq, heads, kv_heads, head_dim, reps, warmup) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    both = timed(fwd_bwd, reps, warmup)
+    both = cuda_median_seconds(fwd_bwd, reps, warmup)
     flops_fwd = 2 * seq**2 * heads * head_dim  # causal: half of 4 x T^2 x heads x head_dim
     return {"fwd_s": fwd, "fwd_bwd_s": both, "bwd_s": both - fwd,
             "fwd_tflops": flops_fwd / fwd / 1e12, "bwd_tflops": 2.5 * flops_fwd / max(both - fwd, 1e-9) / 1e12,

@@ -19,24 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.fused_kernels import RotaryFunction, SiLUMulFunction, rms_norm  # noqa: E402
-from ulysses_train.lean_norm import _RMSNormFunction  # noqa: E402
+from benchmarks.timing import cuda_median_seconds  # noqa: E402
+from ulysses_train.levers.fused_kernels import RotaryFunction, SiLUMulFunction, rms_norm  # noqa: E402
+from ulysses_train.levers.lean_norm import _RMSNormFunction  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2560, 32, 8, 128, 9728
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _fwd_bwd(op, inputs, grad):
@@ -88,8 +75,8 @@ def main():
             row = {"seq": seq, "op": name}
             for kind, op in (("eager", eager), ("fused", fused)):
                 with torch.no_grad():
-                    row[f"{kind}_fwd_s"] = _time(op, args.repeats)
-                row[f"{kind}_fwd_bwd_s"] = _time(_fwd_bwd(op, inputs, grad), args.repeats)
+                    row[f"{kind}_fwd_s"] = cuda_median_seconds(op, args.repeats)
+                row[f"{kind}_fwd_bwd_s"] = cuda_median_seconds(_fwd_bwd(op, inputs, grad), args.repeats)
             row["fused_fwd_tb_s"] = fwd_bytes / row["fused_fwd_s"] / 1e12
             row["fused_fwd_bwd_tb_s"] = both_bytes / row["fused_fwd_bwd_s"] / 1e12
             rows.append(row)

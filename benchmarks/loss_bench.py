@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ulysses_train.loss import fused_linear_cross_entropy  # noqa: E402
+from benchmarks.timing import cuda_median_seconds  # noqa: E402
+from ulysses_train.levers.loss import fused_linear_cross_entropy  # noqa: E402
 
 
 def run_once(hidden, weight, labels, chunk):
@@ -41,15 +41,7 @@ def measure(tokens: int, chunk: int, vocab: int, hidden_size: int, reps: int) ->
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run_once(hidden, weight, labels, chunk)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    seconds = statistics.median(times)
+    seconds = cuda_median_seconds(lambda: run_once(hidden, weight, labels, chunk), reps, warmup=0)
     return {"tokens": tokens, "chunk": chunk, "seconds": seconds,
             "head_tflops": 3 * 2 * tokens * vocab * hidden_size / seconds / 1e12,
             "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}

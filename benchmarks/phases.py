@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from ulysses_train.phases import wrap_phases
+from ulysses_train.train.phases import wrap_phases
 
 ATTN_FWD = ("scaled_dot_product_cudnn_attention", "scaled_dot_product_flash_attention",
             "scaled_dot_product_efficient_attention", "flash_attn_forward", "flash_attn_varlen_forward",
@@ -48,7 +48,7 @@ def kernel_category(kernel_name: str, ancestors: list[str]) -> str:
     if "memcpy" in k and ("dtoh" in k or "htod" in k):
         return "copy_host"
     # attention kernels by name first: FA4's kernels are launched through the CUDA driver from Python, and the
-    # profiler links some of them to a neighbouring op (session 4: 7 of 36 backward and 2 of 36 forward kernels)
+    # profiler links some of them to a neighbouring op (7 of 36 backward and 2 of 36 forward kernels in one 64k step)
     if "flash_fprop" in k or "flashattentionforward" in k:
         return "attention_fwd"
     if "flash_bprop" in k or "flashattentionbackward" in k:
@@ -89,8 +89,8 @@ def categorise_kernels(kernels: list[tuple[str, float, int]], launchers: dict[in
     """kernels: (name, seconds, correlation id of the launch), each GPU kernel or copy once; launchers: correlation
     id -> op names from the launching op outwards. Why from the GPU events and not from each op's kernel list: the
     profiler hands a kernel to every op event that carries the launch's correlation id, and an op re-dispatched by a
-    TorchDispatchMode (the checkpoint's caching mode, our offload of kept outputs) carries it twice; session 3's
-    breakdown counted 34 of 36 attention forwards twice that way (4.07 s against the 2.08 s of the 36 kernels in
+    TorchDispatchMode (the checkpoint's caching mode, our offload of kept outputs) carries it twice; counted per op,
+    34 of 36 attention forwards of a 64k step come out twice (4.07 s against the 2.08 s of the 36 kernels in
     the Chrome trace)."""
     seconds: dict[str, float] = defaultdict(float)
     by_kernel: dict[tuple[str, str], list] = {}
@@ -172,26 +172,27 @@ class PhaseTimer:
 
 @contextlib.contextmanager
 def profile_one_step(trainer, step: int, trace_path: str | None):
-    """Profiles step `step` (1-based) of trainer.train(); yields a dict that holds the categories afterwards."""
+    """Profiles micro-step `step` (1-based) of the training loop (one optimizer step without accumulation); yields a
+    dict that holds the categories afterwards."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     result: dict = {}
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                    schedule=schedule(wait=step - 1, warmup=0, active=1, repeat=1))
-    original = trainer.train_micro_step
+    original = trainer.engine.step  # called once per micro-step by the loop
 
     def stepping(*args, **kwargs):
         out = original(*args, **kwargs)
         prof.step()
         return out
 
-    trainer.train_micro_step = stepping
+    trainer.engine.step = stepping
     prof.start()
     try:
         yield result
     finally:
         prof.stop()
-        trainer.train_micro_step = original
+        trainer.engine.step = original
         result.update(categorise(prof))
         result["streams"] = stream_busy(prof)
         if trace_path:

@@ -36,7 +36,7 @@ def matmul_ceiling_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-ATTENTION_TFLOPS = 560  # cuDNN SDPA forward+backward measured on this H200 (../shared/DESIGN.md)
+ATTENTION_TFLOPS = 560  # cuDNN SDPA forward+backward on the H200 (benchmarks/attn_bench.py, docs/benchmarks.md)
 
 
 def model_flops(model_config, linear_params: int, tokens: int) -> dict:
@@ -63,7 +63,7 @@ def print_breakdown(result: dict) -> None:
     if not result["kernel_s"]:
         return
     attn_fwd = flops["attention"] / 3.5
-    head = flops.get("head", 0)  # results written before the head was split out count it among the layers
+    head = flops["head"]
     model = {"matmul": ((flops["linear"] - head) * 8 / 6, ceiling),  # the layers, with one recomputed forward
              "loss": (head, ceiling),
              "attention_fwd": (attn_fwd, ATTENTION_TFLOPS * 1e12),
@@ -93,10 +93,11 @@ def main():
     parser.add_argument("--trace", default=None, help="with --profile_step: write the Chrome trace here")
     args = parser.parse_args(argv[:split])
 
-    from ulysses_train.config import parse_args
-    from ulysses_train.launcher import normalise_launcher_env
-    from ulysses_train.metrics import host_peak_gib
-    from ulysses_train.trainer import Trainer
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.launcher import normalise_launcher_env
+    from ulysses_train.train.loop import train
+    from ulysses_train.train.metrics import host_peak_gib
+    from ulysses_train.train.trainer import Trainer
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, explicit = parse_args(argv[split + 1:])
@@ -107,14 +108,13 @@ def main():
     trainer = Trainer(cfg, explicit)
     cuda = torch.cuda.is_available()
     timer = PhaseTimer(trainer.engine, trainer.module.model.get_output_embeddings()) if cuda else None
-    kernels: dict = {}
     with (profile_one_step(trainer, args.profile_step, args.trace) if cuda and args.profile_step
           else contextlib.nullcontext({})) as kernels:
-        history = trainer.train()
+        history = train(trainer)
     model = trainer.module.model
     linear_params = sum(getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()
                         if isinstance(m, torch.nn.Linear))
-    tokens = cfg.seq_len * trainer.micro * trainer.accum * trainer.groups.dp_size
+    tokens = trainer.seq_len * trainer.micro * trainer.accum * trainer.groups.dp_size
     flops = model_flops(trainer.model_config, linear_params, tokens)
     times = [r["step_time_s"] for r in history]
     median = statistics.median(times[1:] if len(times) > 1 else times)
@@ -126,15 +126,12 @@ def main():
         "model_tflops_per_gpu": flops["total"] / median / world / 1e12, "matmul_ceiling_tflops": ceiling,
         "mfu": flops["total"] / median / world / 1e12 / ceiling, "flops": flops,
         "peak_gpu_gib": max(r["peak_mem_gib"] for r in history), "host_peak_gib": host_peak_gib(),
-        "host_offload_gib": trainer.host_offload_gib, "losses": [r["loss"] for r in history],
-        "keep_attention": trainer.keep_attention,
-        "kept_offloaded": bool(trainer.keep_attention and trainer.offload is not None),
-        "lean_norm": bool(trainer.lean_norms), "master_shared": trainer.master_freed_bytes > 0,
+        "host_offload_gib": trainer.offload.peak_host_bytes / 2**30 if trainer.offload else 0.0,
+        "losses": [r["loss"] for r in history], "levers": {k: v for k, v in vars(trainer.levers).items()
+                                                          if k != "why"},
+        "surgery": trainer.surgery.counts, "attn_kernel": trainer.kernel,
         "phases_s": median_phases(timer.times) if timer else {}, "kernel_s": kernels.get("categories", {}),
         "kernel_top": kernels.get("top", []), "gpu_streams": kernels.get("streams", {}),
-        "tiled_mlp": bool(trainer.tiled_mlp), "fused_kernels": trainer.fused_kernels, "attn_kernel": trainer.attention.kernel_name,
-        # GQA reaches the kernel without k/v copies: FA4 always, SDPA in bf16/fp16 (attention._sdpa)
-        "gqa_native": trainer.attention.kernel_name == "flash_attn_4" or trainer.dtype != torch.float32,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
     }
     if trainer.rank == 0:
@@ -148,6 +145,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from ulysses_train.trainer import exit_now
+    from ulysses_train.train.launcher import exit_now
 
     exit_now(0)  # see exit_now: no process-group teardown

@@ -10,7 +10,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from ulysses_train.launcher import free_port
+from ulysses_train.train.launcher import free_port
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepspeed: bool, backend: str):
@@ -22,7 +22,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepsp
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    from ulysses_train.parallel import disable_deepspeed_shm_allreduce, init_distributed
+    from ulysses_train.sp.groups import disable_deepspeed_shm_allreduce, init_distributed
 
     disable_deepspeed_shm_allreduce()  # also for DeepSpeed wrapping an existing process group later
     try:

@@ -32,7 +32,7 @@ def _inputs(seed, hq, hkv):
 def _run_case(rank, world, seed, hq, hkv, with_deepspeed_oracle):
     import torch.distributed as dist
 
-    from ulysses_train.attention import UlyssesAttention
+    from ulysses_train.sp.attention import UlyssesAttention
 
     group = dist.new_group(list(range(world)))
     q, k, v, grad_out = _inputs(seed, hq, hkv)
@@ -94,7 +94,7 @@ def test_ulysses_attention_matches_single_process(sp, hq, hkv):
 
 
 def test_all_to_all_is_identity_without_group():
-    from ulysses_train.all_to_all import all_to_all
+    from ulysses_train.sp.all_to_all import all_to_all
 
     x = torch.randn(2, 4, 8, 3)
     assert all_to_all(x, None, 1, 2) is x

@@ -13,7 +13,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.models import tiny_config
-from ulysses_train.rope import configure_rope
+from ulysses_train.levers.rope import configure_rope
 
 
 def _plain_buffers(config) -> dict:
@@ -27,8 +27,8 @@ def _built_under_zero3(rank, world, families, yarn):
     import transformers.modeling_utils as modeling_utils
     from transformers.integrations import HfDeepSpeedConfig
 
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.models import build_model
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.model.build import build_model
 
     # what transformers < 5.2x does: no guard around torch.arange inside zero.Init
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext

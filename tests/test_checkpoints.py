@@ -31,7 +31,7 @@ def launch(out_dir, extra=(), fault=None, expect_rc=0):
 
 def weights(checkpoint):
     """The consolidated fp32 weights of a checkpoint (the export path)."""
-    from ulysses_train.checkpoint import safe_loading
+    from ulysses_train.train.checkpoint import safe_loading
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with safe_loading():
@@ -153,8 +153,8 @@ def test_export_round_trip_gives_the_training_time_logits(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from ulysses_train.export import export
-    from ulysses_train.models import load_model_config
+    from ulysses_train.tools.export import export
+    from ulysses_train.model.build import load_model_config
 
     folder = tmp_path / "base"
     AutoModelForCausalLM.from_config(load_model_config(None, "tiny")).save_pretrained(folder)

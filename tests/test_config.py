@@ -6,10 +6,11 @@ import re
 
 import pytest
 
-from ulysses_train.config import REPO_ROOT, ConfigError, build_parser, parse_args
-from ulysses_train.ds_config import load_ds_config, resolve_ds_config
-from ulysses_train.launcher import expand_nodelist, normalise_launcher_env
-from ulysses_train.parallel import ParallelDims, validate_heads, validate_sp_size
+from ulysses_train.errors import ConfigError
+from ulysses_train.train.config import REPO_ROOT, build_parser, parse_args
+from ulysses_train.train.ds_config import load_ds_config, resolve_ds_config
+from ulysses_train.train.launcher import expand_nodelist, normalise_launcher_env
+from ulysses_train.sp.dims import ParallelDims, check_heads, check_lengths, valid_sp_sizes, validate
 
 ZERO3 = os.path.join(REPO_ROOT, "ds_configs", "zero3.json")
 
@@ -54,13 +55,19 @@ def test_parallel_dims_and_errors_name_the_flag():
     dims = ParallelDims(world_size=8, sp_size=4)
     assert dims.dp_size == 2 and dims.sp_group_ranks(5) == [4, 5, 6, 7] and dims.dp_group_ranks(5) == [1, 5]
     with pytest.raises(ConfigError, match="--sp_size 3 does not divide the world size 8"):
-        validate_sp_size(3, 8)
+        ParallelDims(8, 3)
     with pytest.raises(ConfigError, match="--sp_size 3 must divide the model's 8 attention heads"):
-        validate_heads(3, 8, 8)
+        check_heads(3, 8, 8)
     with pytest.raises(ConfigError, match="--sp_size 4 and the model's 6 KV heads"):
-        validate_heads(4, 8, 6)
-    validate_heads(8, 32, 8) and None  # split is fine
-    validate_heads(4, 8, 1)  # MQA: replicate
+        check_heads(4, 8, 6)
+    check_heads(8, 32, 8)  # split is fine
+    check_heads(4, 8, 1)  # MQA: replicate
+    with pytest.raises(ConfigError, match="--verify_seq_len 1001 is not a multiple of --sp_size 2"):
+        check_lengths(2, {"seq_len": 1024, "verify_seq_len": 1001}, pad_to_sp=False)
+    check_lengths(2, {"seq_len": 1001}, pad_to_sp=True)
+    assert validate(8, 4, 32, 8, {"seq_len": 4096}).dp_size == 2
+    assert valid_sp_sizes(8, 8, 4) == [1, 2, 4, 8] and valid_sp_sizes(6, 8, 4) == [1, 2]
+    assert valid_sp_sizes(8, 28, 4, requested=8) == []  # Qwen2.5-7B's 28 heads
 
 
 def test_validate_rejects_bad_flags(tmp_path):
@@ -107,8 +114,8 @@ def test_ds_configs_are_valid_json():
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b"])
 def test_presets_build_configs_with_the_published_shapes(preset):
-    from ulysses_train.models import attention_heads, load_model_config
-    from ulysses_train.plan import geometry
+    from ulysses_train.model.build import attention_heads, load_model_config
+    from ulysses_train.tools.plan import geometry
 
     config = load_model_config(None, preset)
     billions = {"qwen3-0.6b": 0.6, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-30b-a3b": None}.get(preset)
@@ -121,11 +128,11 @@ def test_presets_build_configs_with_the_published_shapes(preset):
 def test_attention_kernel_choice(monkeypatch):
     """auto takes FlashAttention-4 only where it runs (installed, CUDA, compute capability 9.0+, half precision);
     an explicit kernel that cannot run is an error that names the flag."""
-    from ulysses_train import attention
-    from ulysses_train.attention import resolve_kernel
+    from ulysses_train.sp import kernels
+    from ulysses_train.sp.kernels import resolve_kernel
 
     assert resolve_kernel("auto", "cpu") == "sdpa"
-    monkeypatch.setattr(attention, "kernel_available", lambda name: True)
+    monkeypatch.setattr(kernels, "kernel_available", lambda name: True)
     assert resolve_kernel("auto", "cuda", True, (9, 0)) == "flash_attn_4"
     assert resolve_kernel("auto", "cuda", True, (10, 0)) == "flash_attn_4"
     assert resolve_kernel("auto", "cuda", True, (8, 0)) == "sdpa"  # Ampere: FA4 has no kernels for it
@@ -135,7 +142,7 @@ def test_attention_kernel_choice(monkeypatch):
         resolve_kernel("flash_attn_4", "cuda", False, (9, 0))
     with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 runs on CUDA GPUs only"):
         resolve_kernel("flash_attn_4", "cpu", True)
-    monkeypatch.setattr(attention, "kernel_available", lambda name: False)
+    monkeypatch.setattr(kernels, "kernel_available", lambda name: False)
     assert resolve_kernel("auto", "cuda", True, (9, 0)) == "sdpa"
     with pytest.raises(ConfigError, match="pip install flash-attn-4"):
         resolve_kernel("flash_attn_4", "cuda", True, (9, 0))

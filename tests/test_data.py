@@ -9,11 +9,11 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.models import tiny_config
-from ulysses_train.config import ConfigError
-from ulysses_train.corpus import (ByteTokenizer, TokenSamples, store_key, build_token_store, load_corpus,
+from ulysses_train.errors import ConfigError
+from ulysses_train.data.corpus import (ByteTokenizer, TokenSamples, store_key, build_token_store, load_corpus,
                                   load_tokenizer, pick_text_column, tokenize_corpus)
-from ulysses_train.data import build_batch
-from ulysses_train.sharding import IGNORE_INDEX
+from ulysses_train.data.sources import build_batch
+from ulysses_train.sp.sharding import IGNORE_INDEX
 
 DOCS = ["first book. " * 7, "second, longer book! " * 9, "third: ünïcode ✓ " * 5]
 
@@ -140,10 +140,10 @@ def _packed_sp(rank, world, seed):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.loss import global_token_count, install_loss_head
-    from ulysses_train.sharding import shard_sequence
-    from ulysses_train.trainer import CausalLMWithSPLoss
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.sharding import shard_sequence
 
     group = dist.new_group(list(range(world)))
     attention = register_ulysses_attention(group, "sdpa")

@@ -18,7 +18,7 @@ SEQ, BUCKET = 512, 64
 def setup(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.models import load_model_config
+    from ulysses_train.model.build import load_model_config
 
     d = tmp_path_factory.mktemp("eval")
     torch.manual_seed(0)
@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
 
 
 def _run(launcher, setup, out):
-    args = ["-m", "ulysses_train.eval_positions", "--model", str(setup / "model"), "--dataset", str(setup / "books"),
+    args = ["-m", "ulysses_train.tools.eval_positions", "--model", str(setup / "model"), "--dataset", str(setup / "books"),
             "--tokenizer", "bytes", "--seq_len", str(SEQ), "--num_samples", "2", "--bucket", str(BUCKET),
             "--out", str(out), "--data_cache_dir", str(setup / "cache")]
     cmd = launcher + args if launcher[0] != sys.executable else [sys.executable] + args
@@ -44,7 +44,7 @@ def _run(launcher, setup, out):
 def test_per_position_loss_matches_the_model_and_sp2(setup):
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.corpus import ByteTokenizer
+    from ulysses_train.data.corpus import ByteTokenizer
 
     stdout, single = _run([sys.executable], setup, setup / "out1")
     _, sharded = _run(torchrun_launcher(2) + ["--no-python", sys.executable], setup, setup / "out2")

@@ -32,7 +32,7 @@ def run_ranks(world: int, args: list) -> list[subprocess.CompletedProcess]:
 
 @pytest.fixture(scope="module")
 def three_head_config(tmp_path_factory):
-    from ulysses_train.models import PRESETS
+    from ulysses_train.model.build import PRESETS
 
     path = tmp_path_factory.mktemp("cfg") / "three_heads.json"
     path.write_text(json.dumps(dict(PRESETS["tiny"], num_attention_heads=3, num_key_value_heads=3, head_dim=16)))

@@ -1,4 +1,4 @@
-"""Our Triton kernels (ulysses_train/fused_kernels.py) against transformers' own functions, forward and backward.
+"""Our Triton kernels (ulysses_train/levers/fused_kernels.py) against transformers' own functions, forward and backward.
 Without a GPU, Triton's interpreter runs them on CPU tensors (conftest sets TRITON_INTERPRET=1): fp32 is checked
 tightly; in bf16 the interpreter rounds its downcasts differently from the GPU (it truncated 490 of 1000 random
 values that PyTorch rounds to nearest), so bf16 is checked to a few bf16 steps here and tightly in
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from tests.models import tiny_config
-from ulysses_train.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rms_norm, triton_importable
-from ulysses_train.fused_patch import install_fused_mlp, install_fused_rotary, resolve_fused_kernels, self_check
+from ulysses_train.levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rms_norm, triton_importable
+from ulysses_train.levers.fused_check import self_check
+from ulysses_train.levers.policy import LeverRequest, Levers
+from ulysses_train.model.surgery import check_fused_kernels, install_fused_mlp, install_fused_rotary
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_run_on(DEVICE), reason="needs Triton (pip install triton); on CPU its "
@@ -105,12 +107,13 @@ def test_silu_mul_matches_transformers(dtype):
 def test_fused_model_matches_transformers(family):
     """A whole tiny model of each family with our norms, rotary and SwiGLU: every RMSNorm, every attention module
     and every dense MLP (none in the all-MoE Qwen3-MoE) is patched, loss and every gradient equal the unpatched
-    model's (fp32), and the modeling file's own apply_rotary_pos_emb is back in place afterwards."""
+    model's (fp32), and the modeling file's own apply_rotary_pos_emb is never replaced (the patched attention
+    forward reads ours through its own copy of the module globals)."""
     import sys
 
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.lean_norm import install_lean_norms
+    from ulysses_train.model.surgery import install_lean_norms
 
     config = tiny_config(family)
     ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
@@ -138,41 +141,43 @@ def test_fused_model_matches_transformers(family):
 
 
 def test_rotary_outside_the_standard_layout_falls_back():
-    """While a patched attention forward runs, the modeling file's apply_rotary_pos_emb is ours; a call our kernel
-    does not cover (here unsqueeze_dim=2, the (b, s, h, d) convention) goes to transformers' own function."""
+    """Our apply_rotary_pos_emb hands a call its kernel does not cover (here unsqueeze_dim=2, the (b, s, h, d)
+    convention) to transformers' own function."""
     from transformers.models.qwen3 import modeling_qwen3
 
-    from ulysses_train.fused_patch import _with_fused_rotary
+    from ulysses_train.model.surgery import _fused_rotary
 
     original = modeling_qwen3.apply_rotary_pos_emb
-    seen = _with_fused_rotary(lambda: modeling_qwen3.apply_rotary_pos_emb, vars(modeling_qwen3))()
-    assert seen is not original and modeling_qwen3.apply_rotary_pos_emb is original
+    ours = _fused_rotary(original)
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 5, 2, 8, generator=g), torch.randn(1, 5, 1, 8, generator=g)
     cos, sin = torch.randn(1, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g)
-    for got, want in zip(seen(q, k, cos, sin, unsqueeze_dim=2), original(q, k, cos, sin, unsqueeze_dim=2)):
+    for got, want in zip(ours(q, k, cos, sin, unsqueeze_dim=2), original(q, k, cos, sin, unsqueeze_dim=2)):
         assert torch.equal(got, want)
 
 
 def test_fused_kernels_flag(monkeypatch):
-    """auto turns the kernels on for CUDA only (the interpreter is for tests); on, where they cannot run, is an
-    error that names the flag."""
-    from ulysses_train.config import ConfigError
+    """Where they cannot run, `on` is an error that names the flag and `auto` turns them off with the reason; where
+    they can, the self-check passes and they stay on."""
+    from ulysses_train.errors import ConfigError
 
-    assert resolve_fused_kernels("off", DEVICE, torch.float32) == (False, "off")
-    assert resolve_fused_kernels("auto", torch.device("cpu"), torch.float32) == (False, "off")
-    assert resolve_fused_kernels("on", DEVICE, torch.float32) == (True, "on")  # the self-check passes here
+    wanted = Levers(fused_kernels=True)
+    assert check_fused_kernels(wanted, LeverRequest(fused_kernels="on"), DEVICE, torch.float32) == wanted
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ConfigError, match="--fused_kernels"):
-        resolve_fused_kernels("on", torch.device("cpu"), torch.float32)
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="--fused_kernels on: they run on CUDA"):
+        check_fused_kernels(wanted, LeverRequest(fused_kernels="on"), cpu, torch.float32)
+    off = check_fused_kernels(wanted, LeverRequest(fused_kernels="auto"), cpu, torch.float32)
+    assert not off.fused_kernels and off.why["fused_kernels"].startswith("auto: off, they run on CUDA")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_self_check_passes_and_catches_a_wrong_kernel(dtype, monkeypatch):
     """Before a run uses the kernels, each runs forward and backward against the ops it replaces: here it passes,
-    and a kernel made wrong on purpose (SwiGLU's output 10% too large) is named; `on` then stops with that reason."""
-    from ulysses_train import fused_patch
-    from ulysses_train.config import ConfigError
+    and a kernel made wrong on purpose (SwiGLU's output 10% too large) is named; `on` then stops with that reason
+    and `auto` turns the kernels off with it."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.levers import fused_check
 
     assert self_check(DEVICE, dtype) is None
 
@@ -180,20 +185,23 @@ def test_self_check_passes_and_catches_a_wrong_kernel(dtype, monkeypatch):
         @staticmethod
         def apply(gate, up):
             return SiLUMulFunction.apply(gate, up * 1.1)
-    monkeypatch.setattr(fused_patch, "SiLUMulFunction", TenPercentOff)
+    monkeypatch.setattr(fused_check, "SiLUMulFunction", TenPercentOff)
     problem = self_check(DEVICE, dtype)
     assert problem is not None and problem.startswith("silu_mul's output differs from PyTorch's by ")
-    with pytest.raises(ConfigError, match="self-check failed: silu_mul"):
-        resolve_fused_kernels("on", DEVICE, dtype)
+    wanted = Levers(fused_kernels=True)
+    with pytest.raises(ConfigError, match="--fused_kernels on: silu_mul"):
+        check_fused_kernels(wanted, LeverRequest(fused_kernels="on"), DEVICE, dtype)
+    off = check_fused_kernels(wanted, LeverRequest(fused_kernels="auto"), DEVICE, dtype)
+    assert not off.fused_kernels and "silu_mul" in off.why["fused_kernels"]
 
 
 def test_auto_falls_back_when_the_kernels_cannot_run():
     """A CUDA device where Triton is installed but the kernels fail (here: no CUDA at all in this torch): auto runs
-    transformers' ops and says why in the log line; it never stops the run."""
+    transformers' ops and says why; it never stops the run."""
     if torch.cuda.is_available() or not triton_importable():
         pytest.skip("needs a machine without CUDA, with Triton")
-    on, note = resolve_fused_kernels("auto", torch.device("cuda"), torch.bfloat16)
-    assert on is False and note.startswith("off (auto: the self-check failed: ")
+    off = check_fused_kernels(Levers(fused_kernels=True), LeverRequest(), torch.device("cuda"), torch.bfloat16)
+    assert not off.fused_kernels and off.why["fused_kernels"].startswith("auto: off, ")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the trainer runs bf16: tests/test_gpu.py compares it")

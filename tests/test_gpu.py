@@ -23,7 +23,8 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flash_attn", "flash_attn_4"])
 def test_kernel_bf16_matches_fp32_reference(kernel):
-    from ulysses_train.attention import UlyssesAttention, kernel_available
+    from ulysses_train.sp.attention import UlyssesAttention
+    from ulysses_train.sp.kernels import kernel_available
 
     if not kernel_available(kernel):
         pytest.skip(f"{kernel} not installed")
@@ -39,11 +40,12 @@ def test_offload_and_kept_attention_are_exact_on_gpu():
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.checkpointing import HostOffload, enable_checkpointing
-    from ulysses_train.loss import global_token_count, install_loss_head
-    from ulysses_train.sharding import shard_sequence
-    from ulysses_train.trainer import CausalLMWithSPLoss
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.sharding import shard_sequence
 
     torch.backends.cuda.matmul.allow_tf32 = False
     register_ulysses_attention(None, "sdpa")
@@ -77,7 +79,7 @@ def test_offload_and_kept_attention_are_exact_on_gpu():
 def _nccl_attention(rank, world, dtype_name, seed):
     import torch.distributed as dist
 
-    from ulysses_train.attention import UlyssesAttention
+    from ulysses_train.sp.attention import UlyssesAttention
 
     dtype = getattr(torch, dtype_name)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -112,7 +114,7 @@ def _nccl_single(dtype_name, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, S, D, generator=g).to("cuda", dtype).requires_grad_() for h in (32, 8, 8))
     grad_out = torch.randn(B, S, 32, D, generator=g).to("cuda", dtype)
-    from ulysses_train.attention import UlyssesAttention
+    from ulysses_train.sp.attention import UlyssesAttention
 
     out, _ = UlyssesAttention(None, "sdpa")(None, q, k, v, None, scaling=D ** -0.5)
     out.backward(grad_out)
@@ -171,7 +173,7 @@ def test_pinned_pool_unregisters_its_memory_when_released():
     counts it as pinned shows the registration (is_pinned asks cudaPointerGetAttributes)."""
     import gc
 
-    from ulysses_train.checkpointing import PinnedPool
+    from ulysses_train.levers.offload import PinnedPool
 
     for explicit in (True, False):
         pool = PinnedPool(pin=True)
@@ -222,7 +224,7 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
     """FlashAttention-4 through our registered op: with kept outputs (offloaded) the kernel runs once per layer, the
     loss is the recompute run's bit for bit (same forward kernels) and the gradients agree within bf16 noise (FA4's
     backward accumulates dq with atomics, so two runs differ in the last bits)."""
-    from ulysses_train.attention import kernel_available
+    from ulysses_train.sp.kernels import kernel_available
 
     if not kernel_available("flash_attn_4"):
         pytest.skip("flash_attn_4 not installed")
@@ -230,11 +232,12 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
 
     from tests.models import tiny_config
     from tests.test_levers import CountAttention
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.checkpointing import HostOffload, enable_checkpointing
-    from ulysses_train.loss import global_token_count, install_loss_head
-    from ulysses_train.sharding import shard_sequence
-    from ulysses_train.trainer import CausalLMWithSPLoss
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.sharding import shard_sequence
 
     config = tiny_config("qwen3")
     config.head_dim, config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 128, 256, 4, 2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.models import tiny_config
-from ulysses_train.lean_norm import install_lean_norms
+from ulysses_train.model.surgery import install_lean_norms
 
 
 def _norm_pair(dtype):

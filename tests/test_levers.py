@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed import run_distributed
 from tests.models import tiny_config
-from ulysses_train.fused_kernels import triton_importable
+from ulysses_train.levers.fused_kernels import triton_importable
 
 SEQ = 64
 
@@ -32,15 +32,16 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.checkpointing import HostOffload, enable_checkpointing
-    from ulysses_train.loss import global_token_count, install_loss_head
-    from ulysses_train.sharding import shard_sequence
-    from ulysses_train.trainer import CausalLMWithSPLoss
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.sharding import shard_sequence
 
     group = dist.new_group(list(range(world))) if world > 1 else None
     if kernel == "flash_attn_4":  # the registered op around FA4's kernels, running an exact reference on CPU
-        from ulysses_train import fa4_op
+        from ulysses_train.sp import fa4_op
 
         fa4_op.IMPL.update(forward=fa4_op.reference_forward, backward=fa4_op.reference_backward)
     register_ulysses_attention(group, kernel)
@@ -52,14 +53,14 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
         enable_checkpointing(model, keep_attention, offload=hooks)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
-        from ulysses_train.fused_patch import install_fused_mlp, install_fused_rotary
-        from ulysses_train.lean_norm import install_lean_norms
+        from ulysses_train.model.surgery import install_fused_mlp, install_fused_rotary
+        from ulysses_train.model.surgery import install_lean_norms
 
         assert install_lean_norms(model, fused=lean == "fused") > 0
         if lean == "fused":
             assert install_fused_rotary(model) == install_fused_mlp(model) == model.config.num_hidden_layers
     if tiled:
-        from ulysses_train.tiled_mlp import enable_tiled_mlp
+        from ulysses_train.model.surgery import enable_tiled_mlp
 
         assert enable_tiled_mlp(model, tile_tokens=5) == model.config.num_hidden_layers  # uneven last tile
     ids = torch.randint(3, 96, (1, SEQ), generator=torch.Generator().manual_seed(1))
@@ -126,7 +127,7 @@ def test_fused_kernels_with_every_lever_do_not_change_loss_or_gradients(sp):
 def test_kept_output_offload_handles_both_cache_layouts(layout):
     """torch 2.11's selective-checkpoint cache holds a list of outputs per op, later versions a dict keyed by call
     index: both must have their tensors swapped for host copies (the 2.11 layout broke the H200 runs once)."""
-    from ulysses_train.checkpointing import HostOffload, _HostCopy, _OffloadKeptOutputs
+    from ulysses_train.levers.offload import HostOffload, OffloadKeptOutputs, _HostCopy
 
     class Entry:  # stands in for torch's _VersionWrapper
         def __init__(self, t):
@@ -135,7 +136,7 @@ def test_kept_output_offload_handles_both_cache_layouts(layout):
     kept = torch.arange(1 << 18, dtype=torch.float32)
     storage = {"attention": [Entry(kept)] if layout == "list" else {0: Entry(kept)}}
     offload = HostOffload(min_bytes=0)
-    mode = _OffloadKeptOutputs.__new__(_OffloadKeptOutputs)
+    mode = OffloadKeptOutputs.__new__(OffloadKeptOutputs)
     mode.storage, mode.offload = storage, offload
     mode._offload_new_entries()
     entry = storage["attention"][0]
@@ -146,7 +147,7 @@ def test_kept_output_offload_handles_both_cache_layouts(layout):
 def test_pinned_pool_buffers_are_exact_and_reused_each_step():
     """The offload's host buffers have exactly the tensor's size (PyTorch's pinned allocator would round them up to a
     power of two), and a step that asks for the same sizes again takes the buffers the last step gave back."""
-    from ulysses_train.checkpointing import PinnedPool
+    from ulysses_train.levers.offload import PinnedPool
 
     pool = PinnedPool(pin=False)
     shapes = [((3, 5), torch.bfloat16), ((640, 7), torch.float32), ((3, 5), torch.bfloat16)]
@@ -186,7 +187,7 @@ def test_fa4_op_outputs_are_kept_offloaded_and_exact(sp):
 
 def test_fa4_reference_matches_sdpa():
     """The reference the op test runs is itself checked: outputs and gradients against SDPA with GQA, fp64."""
-    from ulysses_train.fa4_op import reference_backward, reference_forward
+    from ulysses_train.sp.fa4_op import reference_backward, reference_forward
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 24, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))

@@ -4,7 +4,7 @@ at all after a few YaRN steps at 256. CPU, seconds."""
 
 import math
 
-from ulysses_train.long_range_demo import VALUES, keyed_sum_batch, run
+from ulysses_train.tools.long_range_demo import VALUES, keyed_sum_batch, run
 
 import torch
 

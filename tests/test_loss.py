@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ulysses_train.loss import fused_linear_cross_entropy, plain_loss, sp_backward_scale
-from ulysses_train.sharding import IGNORE_INDEX
+from ulysses_train.levers.loss import fused_linear_cross_entropy, plain_loss, sp_backward_scale
+from ulysses_train.sp.sharding import IGNORE_INDEX
 
 
 def _case(seed, n=50, hidden=24, vocab=70, ignore_rows=()):

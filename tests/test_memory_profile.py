@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ulysses_train.memory_profile import MemoryTimeline
+from ulysses_train.train.memory_profile import MemoryTimeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,7 @@ def test_training_run_writes_the_picture(tmp_path):
     assert "memory profile: peak" in proc.stdout + proc.stderr
     assert (out / "memory" / "memory.png").stat().st_size > 10_000
     summary = json.loads((out / "memory" / "memory.json").read_text())
-    from ulysses_train.models import load_model_config
+    from ulysses_train.model.build import load_model_config
 
     config = load_model_config(None, "tiny")
     params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(config).parameters())

@@ -33,11 +33,11 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.loss import global_token_count, install_loss_head, sp_backward_scale
-    from ulysses_train.parallel import SequenceParallelGroups
-    from ulysses_train.sharding import shard_sequence
-    from ulysses_train.trainer import CausalLMWithSPLoss
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count, sp_backward_scale
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.groups import SequenceParallelGroups
+    from ulysses_train.sp.sharding import shard_sequence
 
     state, ids, _, _ = _reference(family, seed, loss_kind)
     groups = SequenceParallelGroups(world)
@@ -54,11 +54,11 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
                 param.data.copy_(state[name])
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=7)  # odd chunk: partial chunks get tested
     if tiled:  # ZeRO-3 must wait for the last tile before reducing an MLP weight's gradient
-        from ulysses_train.tiled_mlp import enable_tiled_mlp
+        from ulysses_train.model.surgery import enable_tiled_mlp
 
         enable_tiled_mlp(model, tile_tokens=6)
     if lean:  # our RMSNorm Function: the weight is a ZeRO-3-partitioned parameter saved for its backward
-        from ulysses_train.lean_norm import install_lean_norms
+        from ulysses_train.model.surgery import install_lean_norms
 
         assert install_lean_norms(model) > 0
     wrapped = CausalLMWithSPLoss(model)

@@ -3,7 +3,14 @@
 import pytest
 
 from tests.models import tiny_config
-from ulysses_train.plan import GiB, Levers, estimate, geometry, main, plan, valid_sp_sizes
+from ulysses_train.levers.policy import GiB, Levers
+from ulysses_train.model.geometry import geometry
+from ulysses_train.sp.dims import valid_sp_sizes
+from ulysses_train.tools.plan import estimate, main, plan
+
+
+def sp_sizes(g: dict, gpus: int) -> list[int]:
+    return valid_sp_sizes(gpus, g["heads"], g["kv"])
 
 
 def test_geometry_counts_the_parameters_of_the_real_model():
@@ -32,7 +39,7 @@ def test_components_by_hand():
     plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False, gqa_native=False))["gpu"]["layer working set"]
     lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True, gqa_native=False))["gpu"]["layer working set"]
     assert plain_norms - lean_norms == 4 * t * (64 + 64 + 32)  # fp32 copies: input norm, q norm, k norm
-    from ulysses_train.plan import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA, FUSED_ROTARY_SAVING
+    from ulysses_train.tools.plan import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA, FUSED_ROTARY_SAVING
 
     wide_attention = dict(g, inter=8)  # so that attention, not the MLP, is the larger part of the layer
     expanded = estimate(wide_attention, 1024, 4, 2, Levers(gqa_native=False))["gpu"]["layer working set"]
@@ -52,11 +59,11 @@ def test_components_by_hand():
 
 def test_recommends_cheapest_levers_and_smallest_sp():
     g = geometry(tiny_config("qwen3"))
-    sp, levers, est, _ = plan(g, 4096, 4, valid_sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
-    assert sp == 1 and levers == Levers()  # tiny: fits without any lever
-    sp, levers, est, tried = plan(g, 1 << 26, 4, valid_sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
+    sp, levers, est, _ = plan(g, 4096, 4, sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
+    assert sp == 1 and levers.keep_attention and not (levers.offload_activations or levers.tiled_mlp)  # tiny
+    sp, levers, est, tried = plan(g, 1 << 26, 4, sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
     assert sp is None or (est["gpu_total"] <= 0.95 * 80 * GiB)
-    assert valid_sp_sizes(g, 8) == [1, 2, 4, 8] and valid_sp_sizes(g, 6) == [1, 2]  # heads 8, kv 4
+    assert sp_sizes(g, 8) == [1, 2, 4, 8] and sp_sizes(g, 6) == [1, 2]  # heads 8, kv 4
 
 
 def test_cli_says_when_nothing_fits(capsys):
@@ -69,7 +76,7 @@ def test_cli_says_when_nothing_fits(capsys):
 def test_ds_config_fixes_zero_stage_and_optimizer(tmp_path, capsys):
     import json
 
-    from ulysses_train.plan import ds_config_choices
+    from ulysses_train.tools.plan import ds_config_choices
 
     g = geometry(tiny_config("qwen3"))
     n, gathered = g["params"], 4 * g["layer_params"]
@@ -99,7 +106,7 @@ def test_ds_config_fixes_zero_stage_and_optimizer(tmp_path, capsys):
 
 
 def geometry_4b():
-    from ulysses_train.models import load_model_config
+    from ulysses_train.model.build import load_model_config
 
     return geometry(load_model_config(None, "qwen3-4b", None))
 
@@ -111,9 +118,9 @@ def test_saved_bytes_match_cpu_allocations(keep):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.attention import register_ulysses_attention
-    from ulysses_train.checkpointing import enable_checkpointing
-    from ulysses_train.memory_profile import MemoryTimeline
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.model.surgery import enable_checkpointing
+    from ulysses_train.train.memory_profile import MemoryTimeline
 
     config = tiny_config("qwen3")
     register_ulysses_attention(None, "sdpa")
@@ -140,10 +147,10 @@ def test_saved_bytes_match_cpu_allocations(keep):
 
 
 def test_longest_fits_and_one_step_more_does_not(capsys):
-    from ulysses_train.plan import longest_fit
+    from ulysses_train.tools.plan import longest_fit
 
     g = geometry_4b()
-    sizes = valid_sp_sizes(g, 1)
+    sizes = sp_sizes(g, 1)
     longest = longest_fit(g, 1, sizes, gpu_mem=139.7 * GiB, host_mem=125 * GiB, step=8192)
     assert longest > 0 and longest % 8192 == 0
     assert plan(g, longest, 1, sizes, 139.7 * GiB, 125 * GiB)[0] is not None

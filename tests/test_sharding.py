@@ -1,6 +1,6 @@
 import torch
 
-from ulysses_train.sharding import IGNORE_INDEX, shard_sequence, shift_labels
+from ulysses_train.sp.sharding import IGNORE_INDEX, shard_sequence, shift_labels
 
 
 def test_labels_shift_across_shard_boundaries():

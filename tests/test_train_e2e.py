@@ -41,7 +41,7 @@ def torchrun_launcher(n):
 
 
 def _port():
-    from ulysses_train.launcher import free_port
+    from ulysses_train.train.launcher import free_port
 
     return free_port()
 
@@ -100,7 +100,7 @@ def test_local_model_folder(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from ulysses_train.models import load_model_config
+    from ulysses_train.model.build import load_model_config
 
     folder = tmp_path / "tiny_model"
     config = load_model_config(None, "tiny")
@@ -114,7 +114,7 @@ def test_local_model_folder(tmp_path):
     # the first step's loss is the saved model's loss on the first sample: the weights were loaded, not re-drawn
     import torch
 
-    from ulysses_train.data import SyntheticTokens
+    from ulysses_train.data.sources import SyntheticTokens
 
     ids = SyntheticTokens(512, 256, seed=0).sample(0)[None]
     model = AutoModelForCausalLM.from_pretrained(folder)

@@ -19,9 +19,9 @@ DS = os.path.join(ROOT, "ds_configs")
 
 
 def _check(rank, world, settings, tmp):
-    from ulysses_train.config import parse_args
-    from ulysses_train.trainer import Trainer
-    from ulysses_train.verify import run_verify
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.verify import run_verify
 
     results = []
     for i, argv in enumerate(settings):
@@ -47,9 +47,9 @@ def test_verify_passes_for_sp_zero_stage_and_loss(tmp_path):
 def _faulty(rank, world, tmp, fault):
     import transformers.modeling_utils as modeling_utils
 
-    import ulysses_train.models as models
-    import ulysses_train.trainer as trainer
-    from ulysses_train.buffers import BufferReport
+    import ulysses_train.model.build as models
+    import ulysses_train.train.trainer as trainer
+    from ulysses_train.model.buffers import BufferReport
 
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext  # as transformers 5.17 builds under ZeRO-3
     if fault == "rotary rounded":

@@ -1,11 +1,23 @@
-"""ulysses-train: long-context fine-tuning of Hugging Face causal LMs with Ulysses sequence parallelism on DeepSpeed."""
+"""ulysses-train: long-context fine-tuning of Hugging Face causal LMs with Ulysses sequence parallelism on DeepSpeed.
 
-from .all_to_all import all_to_all
-from .attention import UlyssesAttention, register_ulysses_attention
-from .loss import fused_linear_cross_entropy, global_token_count, install_loss_head
-from .parallel import SequenceParallelGroups
-from .sharding import shard_sequence
+    sp/       sequence parallelism: parallel sizes, process groups, the all-to-all, sharding, the attention wrapper
+              and its kernels
+    levers/   the memory and speed levers (fused loss, checkpointing and host offload, tiled MLP, lean norms, fused
+              kernels, YaRN, shared master weights) and the policy that resolves them
+    model/    model presets and building, its buffers, and every patch the levers make to it (surgery)
+    data/     generated tokens, corpora, batches
+    train/    the run: configuration, DeepSpeed config, the trainer, the loop, checkpoints, faults, metrics, --verify
+    tools/    the planner, export, the position check, demos (also as `python -m ulysses_train.<tool>`)
+"""
+
+from .levers.loss import fused_linear_cross_entropy, global_token_count, sp_backward_scale
+from .model.surgery import install_loss_head
+from .sp.all_to_all import all_to_all
+from .sp.attention import UlyssesAttention, register_ulysses_attention
+from .sp.groups import SequenceParallelGroups, init_distributed
+from .sp.sharding import shard_sequence
 
 __all__ = ["all_to_all", "UlyssesAttention", "register_ulysses_attention", "fused_linear_cross_entropy",
-           "global_token_count", "install_loss_head", "SequenceParallelGroups", "shard_sequence"]
+           "global_token_count", "install_loss_head", "SequenceParallelGroups", "shard_sequence", "init_distributed",
+           "sp_backward_scale"]
 __version__ = "0.1.0"

@@ -8,15 +8,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from ulysses_train.config import parse_args  # noqa: E402
-from ulysses_train.launcher import normalise_launcher_env  # noqa: E402
-from ulysses_train.sharding import shard_sequence  # noqa: E402
-from ulysses_train.trainer import Trainer  # noqa: E402
+from ulysses_train.train.config import parse_args  # noqa: E402
+from ulysses_train.sp.sharding import shard_sequence  # noqa: E402
+from ulysses_train.train.launcher import normalise_launcher_env  # noqa: E402
+from ulysses_train.train.loop import train  # noqa: E402
+from ulysses_train.train.trainer import Trainer  # noqa: E402
 
 cfg, explicit = parse_args(sys.argv[1:])
 normalise_launcher_env()
 trainer = Trainer(cfg, explicit)
-trainer.train()
+train(trainer)
 g = trainer.groups
 ids = torch.arange(3, 3 + 64)[None] % trainer.model_config.vocab_size
 shard = shard_sequence(ids, g.sp_size, g.sp_rank)

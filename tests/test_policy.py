@@ -1,0 +1,62 @@
+"""The planner and the trainer resolve the same levers: for a grid of models, sequence lengths and GPU counts, the
+planner's answer for the default flags, and for every rung of its ladder given as the flags it prints, equals what
+the trainer derives from those flags (its DeepSpeed config, micro-batch, tokens per rank) on the same machine."""
+
+import pytest
+import torch
+
+from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
+from ulysses_train.model.build import load_model_config
+from ulysses_train.model.geometry import geometry
+from ulysses_train.sp.dims import valid_sp_sizes
+from ulysses_train.tools import plan
+from ulysses_train.train.config import parse_args
+from ulysses_train.train.ds_config import load_ds_config, resolve_ds_config
+from ulysses_train.train.trainer import run_levers
+
+GPU_GIB, HOST_GIB = 139.7, 125.0
+
+
+def _trainer_side(argv: list[str], gpus: int, sp: int):
+    cfg, explicit = parse_args(argv)
+    config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
+    ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, gpus // sp, sp, config.hidden_size,
+                           use_bf16=True, random_init=True)
+    device = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=min(gpus, 8))
+    return run_levers(cfg, config, ds, sp, torch.bfloat16, device)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b"])
+def test_planner_and_trainer_agree_on_every_lever(preset):
+    g = geometry(load_model_config(None, preset))
+    gpu, host = GPU_GIB * 2**30, HOST_GIB * 2**30
+    checked = 0
+    for seq_len in (32768, 131072, 1 << 20):
+        for gpus in (1, 2, 8):
+            for sp in valid_sp_sizes(gpus, g["heads"], g["kv"]):
+                base = ["--model_config", preset, "--seq_len", str(seq_len), "--sp_size", str(sp)]
+                default = plan.levers_for(LeverRequest(), g, seq_len, gpus, sp, gpu, host)
+                trainer = _trainer_side(base, gpus, sp)
+                assert trainer == default and trainer.why == default.why, (preset, seq_len, gpus, sp)
+                for rung in plan._ladder(g, seq_len, gpus, sp, gpu, host, None):
+                    assert _trainer_side(base + rung.flags().split(), gpus, sp) == rung, (rung.flags(), sp)
+                    checked += 1
+    assert checked > 50
+
+
+def test_auto_decisions_and_their_reasons():
+    g = geometry(load_model_config(None, "qwen3-4b"))
+    h200 = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=1)
+    short = resolve_levers(LeverRequest(), g, 65536, 2, h200)
+    assert short.keep_attention and not short.tiled_mlp and short.fused_kernels and short.lean_norm
+    assert "under" in short.why["keep_attention"] and "not over 2 GiB" in short.why["tiled_mlp"]
+    long = resolve_levers(LeverRequest(offload_activations=True), g, 1 << 20, 2, h200)
+    assert long.tiled_mlp and long.offload_activations  # one 1M x 9728 tensor is 19 GiB
+    cpu = resolve_levers(LeverRequest(offload_activations=True), g, 4096, 4, DeviceInfo("cpu", 2**34, 2**34))
+    assert not (cpu.keep_attention or cpu.offload_activations or cpu.fused_kernels or cpu.gqa_native is False)
+    assert cpu.why["offload_activations"].startswith("needs CUDA")
+    explicit = resolve_levers(LeverRequest(attn_recompute="never", tiled_mlp="on", lean_norm="off",
+                                           fused_kernels="off"), g, 4096, 2, h200)
+    assert explicit.keep_attention and explicit.tiled_mlp and not explicit.lean_norm and not explicit.fused_kernels
+    assert not resolve_levers(LeverRequest(gradient_checkpointing=False, attn_recompute="never"), g, 4096, 2,
+                              h200).keep_attention  # nothing is kept without checkpointing

@@ -1,0 +1,87 @@
+"""Every patch of model/surgery.py takes exactly the modules it declares, in every supported family, on the
+installed transformers. A release that changes one of these modules (its norm, rotary or MLP no longer computing
+what we replace) fails here, and the trainer then refuses a lever its flag asked for and turns an `auto` one off,
+saying why, instead of running with fewer patched modules than the planner counts."""
+
+import pytest
+import torch
+
+from tests.models import tiny_config
+from ulysses_train.errors import ConfigError
+from ulysses_train.levers.fused_kernels import kernels_run_on
+from ulysses_train.levers.policy import LeverRequest, Levers
+from ulysses_train.model.surgery import apply_levers
+
+DEVICE = torch.device("cpu")
+LAYERS = 2  # tests/models.py
+# (patch -> modules) with every lever on: norms are 2 per layer and the final one, plus q and k norms in Qwen3
+EXPECTED = {
+    "qwen3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "llama": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "mistral": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "qwen2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "qwen3_moe": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "SwiGLU": 0, "tiled MLP": 0},
+}
+ALL_ON = Levers(keep_attention=True, tiled_mlp=True, lean_norm=True, fused_kernels=True)
+
+
+def _model(family):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.sp.attention import register_ulysses_attention
+
+    register_ulysses_attention(None, "sdpa")
+    return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="ulysses")
+
+
+def _apply(model, levers, request):
+    return apply_levers(model, levers, request, DEVICE, torch.float32, loss_chunk_size=16, mlp_tile_tokens=8,
+                        offload=None)
+
+
+@pytest.mark.skipif(not kernels_run_on(DEVICE), reason="the fused kernels need Triton (its interpreter on the CPU)")
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_every_patch_takes_the_modules_it_declares(family):
+    levers, report = _apply(_model(family), ALL_ON, LeverRequest(tiled_mlp="auto", fused_kernels="auto"))
+    assert {name: done for name, (done, _) in report.counts.items()} == EXPECTED[family]
+    assert all(done == expected for done, expected in report.counts.values()), report.counts
+    assert levers.fused_kernels and levers.lean_norm and levers.keep_attention
+    # Qwen3-MoE has no dense MLP to tile: auto turns the lever off, and says so
+    assert levers.tiled_mlp == (family != "qwen3_moe")
+    if family == "qwen3_moe":
+        assert levers.why["tiled_mlp"].startswith("auto: off, no module of Qwen3MoeForCausalLM")
+        with pytest.raises(ConfigError, match="--tiled_mlp: no module of this Qwen3MoeForCausalLM matched"):
+            _apply(_model(family), ALL_ON, LeverRequest(tiled_mlp="on", fused_kernels="auto"))
+
+
+def test_a_norm_that_stops_matching_is_an_error_when_asked_for_and_off_under_auto(monkeypatch):
+    """As if transformers changed Qwen3's RMSNorm to Gemma's `(1 + weight)`: nothing matches any more."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def gemma_like(self, x):
+        x32 = x.float()
+        return ((1 + self.weight.float()) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", gemma_like)
+    lean_only = Levers(keep_attention=False, fused_kernels=False)
+    with pytest.raises(ConfigError, match="--lean_norm: no module of this Qwen3ForCausalLM matched"):
+        _apply(_model("qwen3"), lean_only, LeverRequest(lean_norm="on", fused_kernels="off"))
+    levers, report = _apply(_model("qwen3"), lean_only, LeverRequest(lean_norm="auto", fused_kernels="off"))
+    assert report.counts["RMSNorm"] == (0, 9) and not levers.lean_norm
+    assert levers.why["lean_norm"].startswith("auto: off")
+
+
+def test_the_rotary_patch_changes_nothing_global():
+    """The patched attention reads our rotary through its own copy of the module globals: the modeling file keeps
+    its function, and a second, unpatched model of the same family uses transformers' own."""
+    import sys
+
+    model = _model("qwen3")
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original = modeling.apply_rotary_pos_emb
+    from ulysses_train.model.surgery import install_fused_rotary
+
+    assert install_fused_rotary(model) == LAYERS
+    assert modeling.apply_rotary_pos_emb is original
+    assert type(model.model.layers[0].self_attn).__module__ == modeling.__name__
+    assert type(_model("qwen3").model.layers[0].self_attn) is not type(model.model.layers[0].self_attn)

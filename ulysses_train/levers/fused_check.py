@@ -1,0 +1,57 @@
+"""The self-check our fused kernels pass on the device before a run uses them (`--fused_kernels`): each kernel,
+forward and backward, against the PyTorch ops it replaces, on small random inputs that cover its edges. A kernel
+that fails to compile or disagrees means transformers' ops under `auto` (the reason logged) and an error under
+`on` (model/surgery.py decides)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .fused_kernels import RotaryFunction, SiLUMulFunction, rms_norm
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _check_cases(device: torch.device, dtype: torch.dtype):
+    """(name, fused op, the PyTorch ops it replaces, leaves) on small random inputs that cover the kernels' edges:
+    two row blocks of a norm, strided q with fewer rows than heads x dims, a partly masked SwiGLU block."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from .lean_norm import _RMSNormFunction
+
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
+
+    x, w, q, gate, up = leaf(3, 40, 96), leaf(96), leaf(2, 24, 4, 16), leaf(3, 700), leaf(3, 700)
+    angles = torch.rand(1, 24, 8, generator=g) * 24
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(device, dtype) for f in (torch.cos, torch.sin))
+    return [("rms_norm", lambda: rms_norm(x, w, 1e-6), lambda: _RMSNormFunction.apply(x, w, 1e-6), (x, w)),
+            ("rotary", lambda: RotaryFunction.apply(q.transpose(1, 2), cos, sin),
+             lambda: apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0], (q,)),
+            ("silu_mul", lambda: SiLUMulFunction.apply(gate, up), lambda: torch.nn.functional.silu(gate) * up,
+             (gate, up))]
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Runs each kernel forward and backward on `device` and compares it with the PyTorch ops it replaces; returns
+    what failed or disagreed, None when all agree (to 1e-4 in fp32; to 3e-2 in bf16, a few of its 2^-8 steps)."""
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        for name, fused, reference, leaves in _check_cases(device, dtype):
+            got, want = fused(), reference()
+            grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+            pairs = zip((got, *torch.autograd.grad(got, leaves, grad)),
+                        (want, *torch.autograd.grad(want, leaves, grad)))
+            for what, (a, b) in zip(("output", *(f"gradient {i}" for i in range(len(leaves)))), pairs):
+                err = _rel_err(a, b)
+                if not err <= tol:  # NaN fails too
+                    return f"{name}'s {what} differs from PyTorch's by {err:.1e} (tolerance {tol:.0e})"
+    except Exception as e:  # a kernel that does not compile or launch here
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    return None

@@ -1,0 +1,271 @@
+"""Fused Triton kernels for the per-token elementwise work of a decoder layer (`--fused_kernels`).
+
+Why our own: the profile of a 64k-token Qwen3-4B step on the H200 without them (docs/benchmarks.md) puts
+2.7 s of its 12.6 s in small unfused elementwise kernels, most of them from two places:
+
+- the RMSNorms (four per Qwen3 layer: before attention and MLP, and per head on q and k), which upcast, square,
+  average, scale, downcast and multiply by the weight in seven kernels each way, several of them non-vectorised
+  because a per-row or per-column factor is broadcast;
+- the rotary embedding, which runs `x * cos + cat(-x2, x1) * sin` as five kernels on the transposed (strided)
+  q and k, each of them non-vectorised;
+- the SwiGLU product silu(gate) * up, two kernels forward and three backward over seq x intermediate values.
+
+Each layer runs them three times (forward, recomputed forward, backward). Here each is one kernel per tensor and
+direction that reads its input once and writes its output once:
+
+- `rms_norm`: the lean RMSNorm of lean_norm.py (same forward arithmetic as transformers' Llama RMSNorm: upcast,
+  inverse RMS, downcast, times the weight; it saves the input in its own dtype and one fp32 number per row), with
+  head-sized rows (q/k norms) batched many per program and the weight's gradient summed per program in registers.
+- `RotaryFunction`: rotary embedding on q or k in whatever layout they come in (the (b, h, s, d) view of the
+  projection's (b, s, h, d) memory), writing the output in that same layout, so the attention's transpose back to
+  (b, s, h, d) is free. The backward is the same kernel with the rotation reversed; only cos and sin are saved.
+- `SiLUMulFunction`: the SwiGLU MLP's silu(gate) * up in one pass each way, saving gate and up (autograd's version
+  also saves silu(gate): one seq x intermediate tensor less in the recomputed layer, 1.2 GiB at 64k for Qwen3-4B).
+
+Liger-Kernel ships similar kernels; ours keep lean_norm's saving and layout rules, stay within the ops the trainer
+already patches, and run on the CPU through Triton's interpreter (TRITON_INTERPRET=1), where the tests compare
+them with transformers' own functions, forward and backward. Triton is imported only when a kernel first runs.
+Measured on the H200 (docs/benchmarks.md): the 64k step takes 12.30 s without them and 10.79 s with them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors (for tests); it is read when the kernels are defined."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether our Triton kernels can run on tensors of this device in this process."""
+    if not triton_importable():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Defines the kernels on first use, so that importing this module needs no Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_forward(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,)
+        # transformers: weight * (x * rstd).to(input dtype), the product rounded to the output dtype
+        normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(Y + offsets, (w[None, :] * normed).to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=rows < M)
+
+    @triton.jit
+    def rms_backward(DY, X, W, RSTD, DX, DW, M, N, rows_per_program,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # each program walks its own run of rows and keeps its share of the weight's gradient in registers
+        program = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        first = program * rows_per_program
+        for start in range(0, rows_per_program, BLOCK_M):
+            rows = first + start + tl.arange(0, BLOCK_M)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+            normed = x * rstd[:, None]
+            dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            g = dy * w[None, :]  # the gradient reaching the fp32 normalised values
+            dx = rstd[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / N)[:, None])
+            tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DW + program.to(tl.int64) * N + cols, dw, mask=cols < N)
+
+    @triton.jit
+    def rotary(X, COS, SIN, Y, H, sxb, sxh, sxs, sxd, syb, syh, sy_s, syd, scb, scs, scd,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, REVERSE: tl.constexpr):
+        # one program per token (s, b): all heads x both halves of the head dimension
+        s, b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        heads, d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
+        dmask = d < HALF
+        c = COS + b * scb + s * scs + d * scd
+        n = SIN + b * scb + s * scs + d * scd
+        cos1 = tl.load(c, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        cos2 = tl.load(c + HALF * scd, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        sin1 = tl.load(n, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        sin2 = tl.load(n + HALF * scd, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        mask = (heads < H)[:, None] & dmask[None, :]
+        heads = heads.to(tl.int64)  # a contiguous (b, h, s, d) x has a head stride of s x d
+        x = X + b * sxb + s * sxs + heads[:, None] * sxh + d[None, :] * sxd
+        x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
+        if REVERSE:  # the backward: the transpose of the rotation
+            y1, y2 = x1 * cos1 + x2 * sin2, x2 * cos2 - x1 * sin1
+        else:  # x * cos + cat(-x2, x1) * sin
+            y1, y2 = x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+        y = Y + b * syb + s * sy_s + heads[:, None] * syh + d[None, :] * syd
+        tl.store(y, y1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y + HALF * syd, y2.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def silu_mul(G, U, DH, OUT, DU, n, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + offsets, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        act = (g * sig).to(G.dtype.element_ty).to(tl.float32)  # transformers rounds act(g) before the product
+        if BACKWARD:  # OUT: the gate's gradient, DU: the up projection's
+            dh = tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(OUT + offsets, (dh * u * sig * (1 + g * (1 - sig))).to(OUT.dtype.element_ty), mask=mask)
+            tl.store(DU + offsets, (dh * act).to(DU.dtype.element_ty), mask=mask)
+        else:
+            tl.store(OUT + offsets, (act * u).to(OUT.dtype.element_ty), mask=mask)
+
+    return types.SimpleNamespace(rms_forward=rms_forward, rms_backward=rms_backward, rotary=rotary,
+                                 silu_mul=silu_mul)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _row_blocks(n: int) -> tuple[int, int, int]:
+    """(rows per block, padded row length, warps): about 4096 values per program, so 128-wide head rows go 32 at a
+    time and a 2560-wide hidden row alone."""
+    block_n = _next_pow2(n)
+    block_m = max(1, 4096 // block_n)
+    return block_m, block_n, 8 if block_m * block_n >= 4096 else 4
+
+
+def _programs_for(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) over the last dimension; saves x and one fp32 per row."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        n = x.shape[-1]
+        rows = x.reshape(-1, n)  # a view for the contiguous inputs a decoder layer gives
+        out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+        rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+        block_m, block_n, warps = _row_blocks(n)
+        grid = (triton_cdiv(rows.shape[0], block_m),)
+        _kernels().rms_forward[grid](rows, weight, out, rstd, rows.shape[0], n, eps,
+                                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, weight, rstd = ctx.saved_tensors
+        m, n = rows.shape
+        dy = grad_out.reshape(m, n).contiguous()
+        dx = torch.empty_like(rows)
+        block_m, block_n, warps = _row_blocks(n)
+        blocks = triton_cdiv(m, block_m)
+        programs = min(blocks, _programs_for(rows.device))
+        rows_per_program = triton_cdiv(blocks, programs) * block_m
+        programs = triton_cdiv(m, rows_per_program)
+        dw = torch.empty(programs, n, dtype=torch.float32, device=rows.device)
+        _kernels().rms_backward[(programs,)](dy, rows, weight, rstd, dx, dw, m, n, rows_per_program,
+                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        grad_weight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.x_shape), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype, reverse: bool):
+    """x: (b, h, s, d) in any strides; cos, sin: (b or 1, s, d). The output has x's strides when x is dense."""
+    b, h, s, d = x.shape
+    out = torch.empty_like(x, dtype=out_dtype)  # preserve_format keeps a dense x's strides
+    cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
+    assert cos.stride() == sin.stride()
+    half = d // 2
+    _kernels().rotary[(s, b)](x, cos, sin, out, h, *x.stride(), *out.stride(), *cos.stride(),
+                              HALF=half, BLOCK_H=_next_pow2(h), BLOCK_D=_next_pow2(half), REVERSE=reverse,
+                              num_warps=4 if h * d >= 2048 else 2)
+    return out
+
+
+class RotaryFunction(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin for one of q, k (b, h, s, d); only cos and sin are saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return _launch_rotary(x, cos, sin, torch.result_type(x, cos), reverse=False)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _launch_rotary(grad_out, cos, sin, ctx.x_dtype, reverse=True), None, None
+
+
+def rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:
+    """The standard layout (q, k: (b, h, s, d); cos, sin: (b or 1, s, d) without gradients, full head dim)."""
+    if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    if cos.requires_grad or sin.requires_grad or not kernels_run_on(q.device):
+        return False
+    return all(t.shape[-1] == cos.shape[-1] and t.shape[-2] == cos.shape[-2] and t.shape[-1] % 2 == 0
+               for t in (q, k)) and cos.shape[0] in (1, q.shape[0])
+
+
+class SiLUMulFunction(torch.autograd.Function):
+    """silu(gate) * up, the SwiGLU MLP's product, saving gate and up only (autograd saves silu(gate) too)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        _launch_silu_mul(gate, up, None, out, None)
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        _launch_silu_mul(gate, up, grad_out.contiguous(), grad_gate, grad_up)
+        return grad_gate, grad_up
+
+
+def _launch_silu_mul(gate, up, grad_out, out, grad_up):
+    n, block = gate.numel(), 2048
+    _kernels().silu_mul[(triton_cdiv(n, block),)](gate, up, grad_out if grad_out is not None else gate, out,
+                                                  grad_up if grad_up is not None else out, n, BLOCK=block,
+                                                  BACKWARD=grad_out is not None, num_warps=8)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,129 @@
+"""Sequence-parallel causal-LM loss, plain or fused-and-chunked.
+
+Contract: the loss of one micro-batch is the mean over every non-ignored token of the whole sequence, across the
+SP group. Each rank computes `sum of its tokens' CE / count of valid tokens in the whole SP group`; the SP ranks'
+values add up to the true mean. A rank (or a whole batch) with no valid token contributes 0, never NaN.
+
+The fused loss is ours rather than a library's because it must (1) take its gradient in the forward, so backward
+never recomputes logits (TRL's chunked loss recomputes them), (2) run inside the LM head module's own forward so
+that ZeRO-3 gathers the (possibly tied) head weight and reduces its gradient, and (3) share the SP normaliser.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..sp.sharding import IGNORE_INDEX
+
+
+def global_token_count(labels: torch.Tensor, sp_group) -> torch.Tensor:
+    """Number of non-ignored labels in the whole sequence(s) of this SP group (a float tensor, no grad)."""
+    count = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        dist.all_reduce(count, group=sp_group)
+    return count.clamp(min=1.0)
+
+
+def sp_backward_scale(ds_config: dict, sp_size: int) -> int:
+    """Factor by which each SP rank multiplies its loss before `engine.backward`.
+
+    A sequence's true gradient is the *sum* of its SP ranks' contributions. DeepSpeed 0.19 divides the reduced
+    gradients by `world` on ZeRO-3's reduce-scatter path (the default), but by `world / sp` on ZeRO-1/2 and on
+    ZeRO-3 with `reduce_scatter: false`, where it already treats SP ranks as partial sums. The equivalence tests
+    run every one of these paths, so a change in DeepSpeed shows up there."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True):
+        return sp_size
+    return 1
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def plain_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    ce = F.cross_entropy(_at_least_fp32(logits).flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return ce / normalizer
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """loss = sum_t CE(h_t W^T, y_t) / normalizer, with dL/dh and dL/dW computed chunk by chunk in the forward.
+
+    Peak extra memory: one chunk of logits (chunk x vocab, fp32) plus dW (fp32, vocab x hidden)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, normalizer, chunk_size):
+        # hidden (n, H), weight (V, H), labels (n,)
+        grad_hidden = torch.empty_like(hidden)
+        # accumulate dW over chunks in at least fp32: hundreds of bf16 partial sums would lose digits
+        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                                  device=weight.device)
+        loss = torch.zeros((), dtype=grad_weight.dtype, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start:start + chunk_size]
+            y = labels[start:start + chunk_size]
+            valid = y != IGNORE_INDEX
+            logits = _at_least_fp32(h @ weight.t())  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            target = torch.where(valid, y, 0)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            loss += torch.where(valid, lse - picked, 0.0).sum()
+            # d CE / d logits = softmax - onehot(y), zero on ignored rows, scaled by 1/normalizer
+            grad_logits = logits.sub_(lse[:, None]).exp_()  # in place: one (c, V) fp32 buffer
+            grad_logits[torch.arange(len(y), device=y.device), target] -= 1.0
+            grad_logits *= (valid.to(grad_logits.dtype) / normalizer)[:, None]
+            grad_logits = grad_logits.to(hidden.dtype)
+            grad_hidden[start:start + chunk_size] = grad_logits @ weight
+            if grad_weight.dtype == h.dtype:
+                grad_weight.addmm_(grad_logits.t(), h)
+            else:
+                grad_weight += grad_logits.t() @ h  # (V, H) in the compute dtype, summed in fp32
+            del logits, grad_logits
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss / normalizer
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+
+
+def fused_linear_cross_entropy(hidden, weight, labels, normalizer, chunk_size: int = 4096) -> torch.Tensor:
+    """hidden (..., H), weight (V, H), labels (...): sum of CE over valid tokens / normalizer."""
+    return _FusedLinearCE.apply(hidden.flatten(0, -2), weight, labels.flatten(), normalizer, chunk_size)
+
+
+class LMHeadWithLoss(nn.Linear):
+    """The model's LM head, able to return the loss instead of logits.
+
+    `install_loss_head(model)` (model/surgery.py) swaps the head's class in place (same parameters, same tying), so that calling
+    `lm_head(hidden, labels=..., normalizer=...)` goes through the module's `__call__`: ZeRO-3's hooks gather the
+    partitioned weight for the forward and again before this module's backward."""
+
+    chunk_size: int = 4096
+    fused: bool = True
+
+    def forward(self, hidden, labels=None, normalizer=None):
+        if labels is None:
+            return super().forward(hidden)
+        if self.bias is not None:
+            raise NotImplementedError("an LM head with a bias is not supported by the loss head")
+        if self.fused:
+            return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size)
+        return plain_loss(super().forward(hidden), labels, normalizer)
+
+
+class CausalLMWithSPLoss(nn.Module):
+    """One module whose forward is backbone + loss head, so the DeepSpeed engine's forward drives both."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, labels, normalizer):
+        # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
+        return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)

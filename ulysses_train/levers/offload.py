@@ -1,0 +1,203 @@
+"""Host offload of what checkpointed layers save (`--offload_activations`).
+
+What a checkpointed layer saves (its inputs, and its kept attention outputs) goes to pinned host memory on a side
+stream in the forward, and comes back on a side stream one layer ahead of the backward that needs it, so both
+copies overlap compute. transformers' own `offload=True` copies on the compute stream and waits for each copy, and
+nobody offloads selective-checkpoint caches, which is why we write this one. With kept attention outputs the GPU
+holds two layers' worth of them at any time.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ..sp.kernels import ATTENTION_OPS
+
+OFFLOAD_MIN_BYTES = 1 << 20  # small tensors are not worth a copy
+
+
+class PinnedPool:
+    """Host buffers of exactly the requested size, pinned once and reused by every later step (same sizes return).
+
+    Why not `torch.empty(..., pin_memory=True)`: PyTorch's caching host allocator rounds each block up to a power of
+    two, so a 640 MiB checkpoint (131k tokens x 2560 x 2 bytes) pins 1 GiB: on the H200 host memory beyond the
+    offloaded bytes was 8.9 GiB at 64k and 15.7 GiB at 131k with it, the rounding of 36 checkpoints (6.75 and 13.5
+    GiB) plus ~2 GiB of process. Here pageable memory is registered with CUDA (cudaHostRegister, as torch's own
+    checkpoint stager does), and what is left beyond the offloaded bytes is the process: 2.8 GiB at 64k, 2.2 GiB at
+    131k (docs/benchmarks.md). If registering fails we fall back to torch's pinned memory.
+    `pin=False` gives plain host memory (what the tests exercise).
+
+    The pool holds every buffer it made (idle or lent), so none is freed while registered; `release` (also run when
+    the pool is collected) unregisters them. Memory freed while still registered would stay known to CUDA: a later
+    host allocation at the same address then fails its copies with "invalid argument" (seen on the H200 in a test
+    process that built a second model after an offloaded one)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> idle buffers
+        self.lent: list[torch.Tensor] = []
+        self.bytes = 0  # all buffers, idle or lent
+        self.registered: list[int] = []  # data pointers registered with cudaHostRegister
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = self.free[nbytes].pop() if self.free[nbytes] else self._new(nbytes)
+        self.lent.append(buf)
+        return buf.view(dtype).view(shape)
+
+    def give_back_all(self) -> None:
+        """After the backward: every buffer lent in this step is idle again."""
+        for buf in self.lent:
+            self.free[buf.numel()].append(buf)
+        self.lent = []
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        self.bytes += nbytes
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if not self.pin:
+            return buf
+        if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+            warnings.warn("cudaHostRegister failed: offloaded tensors use PyTorch's pinned memory (rounded up to "
+                          "powers of two) instead")
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.registered.append(buf.data_ptr())
+        return buf
+
+    def release(self) -> None:
+        """Unregister and drop every buffer, after the copies in flight have finished. Idempotent."""
+        if self.registered:
+            torch.cuda.synchronize()
+            for ptr in self.registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.registered, self.free, self.lent, self.bytes = [], defaultdict(list), [], 0
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: CUDA may be gone already, and the process frees everything anyway
+            pass
+
+
+class HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors of the forward go to pinned host memory; the backward gets them back one layer ahead of use.
+
+    Items are grouped by checkpointed layer (`start_group` before each). Backward visits the layers in reverse, so
+    when the first item of layer g is needed, all of layer g is fetched and all of layer g-1 starts coming back.
+    Without CUDA the copies are plain host-to-host copies: nothing is saved, but tests exercise the bookkeeping."""
+
+    def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES):
+        self.min_bytes = min_bytes
+        self.groups: list[list[dict]] = [[]]
+        self.cuda = torch.cuda.is_available()
+        self.d2h = torch.cuda.Stream() if self.cuda else None
+        self.h2d = torch.cuda.Stream() if self.cuda else None
+        self.host_bytes = 0  # offloaded in the current step
+        self.peak_host_bytes = 0  # the most of any finished step
+        self.pool = PinnedPool(pin=self.cuda)
+        super().__init__(self._pack, self._unpack)
+
+    def start_group(self) -> None:
+        if self.groups[-1]:
+            self.groups.append([])
+
+    def _pack(self, t: torch.Tensor):
+        if t.is_cuda != self.cuda or t.numel() * t.element_size() < self.min_bytes:
+            return t
+        item = {"device": t.device, "group": len(self.groups) - 1}
+        if self.cuda:
+            item["host"] = self.pool.take(t.shape, t.dtype)
+            self.d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h):
+                item["host"].copy_(t, non_blocking=True)
+                t.record_stream(self.d2h)  # the allocator must not reuse t's memory before the copy is done
+            item["done_d2h"] = self.d2h.record_event()
+        else:  # clone, as the fetch does: selective checkpointing replays the ops it saw in the forward
+            item["host"] = t.detach().clone()
+        self.groups[-1].append(item)
+        self.host_bytes += t.numel() * t.element_size()
+        return item
+
+    def _fetch(self, item: dict) -> None:
+        if "back" in item or item.get("used"):
+            return
+        if not self.cuda:
+            item["back"] = item["host"].clone()
+            return
+        self.h2d.wait_event(item["done_d2h"])
+        with torch.cuda.stream(self.h2d):
+            item["back"] = item["host"].to(item["device"], non_blocking=True)
+            item["done_h2d"] = self.h2d.record_event()
+
+    def _unpack(self, item):
+        if isinstance(item, torch.Tensor):
+            return item
+        for other in self.groups[item["group"]]:  # the rest of this layer is needed in a moment
+            self._fetch(other)
+        if item["group"] > 0:
+            for other in self.groups[item["group"] - 1]:  # the layer the backward visits next
+                self._fetch(other)
+        back = item.pop("back")
+        item["used"] = True  # a later prefetch of this layer must not copy it again
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(item["done_h2d"])
+            back.record_stream(torch.cuda.current_stream())
+        return back
+
+    def reset(self) -> None:
+        """After the backward: this step's host buffers are free for the next (the compute stream has waited for
+        every copy back, and the next step's copies out are queued after it). Keeps the peak for the metrics."""
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        self.pool.give_back_all()
+        self.groups = [[]]
+        self.host_bytes = 0
+
+
+class _HostCopy:
+    """Stands in for a selective-checkpoint cache entry (torch's `_VersionWrapper`, read through `get_val`) whose
+    tensor went to the host; `get_val` brings it back through the offload's prefetching unpack."""
+
+    def __init__(self, offload: HostOffload, item):
+        self.offload, self.item = offload, item
+
+    def get_val(self, allow_cache_entry_mutation: bool = False):
+        return self.offload._unpack(self.item)
+
+
+class OffloadKeptOutputs(TorchDispatchMode):
+    """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after an
+    attention kernel, the cache entries holding CUDA tensors are swapped for host copies. Why: kept attention
+    outputs cost `layers x s x heads x head_dim x 2` bytes (36 GiB at 131k on Qwen3-4B); on the host, no GPU memory."""
+
+    def __init__(self, caching_mode, offload: HostOffload):
+        super().__init__()
+        self.storage, self.offload = caching_mode.storage, offload
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in ATTENTION_OPS:
+            with _disable_current_modes():  # the copies themselves must not land in the checkpoint's cache
+                self._offload_new_entries()
+        return out
+
+    def _offload_new_entries(self) -> None:
+        for entries in self.storage.values():
+            # torch 2.11 keeps a list of outputs per op, later versions a dict keyed by call index
+            keys = entries.keys() if isinstance(entries, dict) else range(len(entries))
+            for idx in keys:
+                entries[idx] = _offload_entry(entries[idx], self.offload)
+
+
+def _offload_entry(entry, offload: HostOffload):
+    if isinstance(entry, (tuple, list)):
+        return type(entry)(_offload_entry(e, offload) for e in entry)
+    val = getattr(entry, "val", None)
+    if not isinstance(val, torch.Tensor) or val.is_cuda != offload.cuda:
+        return entry
+    if val.numel() * val.element_size() < offload.min_bytes:
+        return entry
+    return _HostCopy(offload, offload._pack(val))

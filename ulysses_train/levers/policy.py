@@ -1,0 +1,165 @@
+"""The lever policy: the flags, the model's geometry and the device in, one resolved `Levers` out.
+
+The trainer and the planner (tools/plan.py) both call `resolve_levers`, so the plan describes the run the trainer
+makes, and every `auto` decision lives here, with the reason it was taken. Model surgery (model/surgery.py) may
+still turn an `auto` lever off when it matches no module of the model, and says so.
+
+    request (flags) + geometry + tokens per rank + device + DeepSpeed choices  ->  Levers (+ why)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+GiB = 2**30
+LOSS_KINDS = ("fused", "plain")
+ATTN_RECOMPUTE = ("auto", "always", "never")
+AUTO_ON_OFF = ("auto", "on", "off")  # --tiled_mlp, --lean_norm, --fused_kernels
+TILE_ABOVE_BYTES = 2 * GiB  # --tiled_mlp auto tiles when one seq x intermediate tensor of a layer would exceed this
+KEEP_DEVICE_FRACTION = 0.15  # --attn_recompute auto keeps the outputs while they take under this much of the device
+KEEP_HOST_FRACTION = 0.5  # ... or, offloaded with the checkpoints, under this much of the host (all local ranks)
+
+
+@dataclass(frozen=True)
+class LeverRequest:
+    """The lever flags as typed (see train/config.py for their help)."""
+
+    loss: str = "fused"
+    gradient_checkpointing: bool = True
+    attn_recompute: str = "auto"
+    offload_activations: bool = False
+    tiled_mlp: str = "auto"
+    lean_norm: str = "auto"
+    fused_kernels: str = "auto"
+    share_master_weights: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "LeverRequest":
+        lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(cfg.lean_norm, cfg.lean_norm)
+        return cls(cfg.loss, cfg.gradient_checkpointing, cfg.attn_recompute, cfg.offload_activations, cfg.tiled_mlp,
+                   lean, cfg.fused_kernels, cfg.share_master_weights)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the policy needs to know about where the run goes."""
+
+    type: str  # "cuda" or "cpu"
+    memory_bytes: int  # of one device (on the CPU: the host's)
+    host_memory_bytes: int  # of one host
+    local_ranks: int = 1  # ranks sharing that host memory
+    triton: bool = True  # Triton importable (our fused kernels)
+
+    @classmethod
+    def of(cls, device: torch.device, local_ranks: int) -> "DeviceInfo":
+        from .fused_kernels import triton_importable
+
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
+        return cls(device.type, memory, host, local_ranks, triton_importable())
+
+    @classmethod
+    def gpu(cls, memory_gib: float, host_gib: float, local_ranks: int) -> "DeviceInfo":
+        """A planned GPU machine (tools/plan.py)."""
+        return cls("cuda", int(memory_gib * GiB), int(host_gib * GiB), local_ranks, True)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """Every lever, resolved: what the trainer installs and what the planner counts."""
+
+    loss: str = "fused"  # fused chunked loss, or the plain one
+    checkpointing: bool = True  # every decoder layer checkpointed
+    keep_attention: bool = True  # checkpointed layers keep the attention kernel's outputs (--attn_recompute never)
+    offload_activations: bool = False  # checkpoints (and kept outputs) in pinned host memory
+    tiled_mlp: bool = False  # the MLP over sequence tiles
+    lean_norm: bool = True  # RMSNorms save their input in the model dtype, not an fp32 copy
+    fused_kernels: bool = False  # our Triton norms, rotary and SwiGLU
+    share_master: bool = True  # same-dtype master weights are the model's partition (ZeRO-3)
+    bf16_states: bool = False  # bf16 master weights and optimizer states (the DeepSpeed config's choice)
+    offload_optimizer: bool = False  # optimizer states in host memory (the DeepSpeed config's choice)
+    gqa_native: bool = True  # k and v reach the kernel with their own head count (fp32 on CUDA copies them out)
+    why: dict = field(default_factory=dict, compare=False)  # lever -> the reason of an `auto` decision
+
+    def flags(self, ds_config: Optional[str] = None) -> str:
+        """The command-line flags that ask for exactly these levers."""
+        flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
+        if self.offload_activations:
+            flags.append("--offload_activations")
+        flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
+        if ds_config:
+            flags.append(f"--ds_config {ds_config}")
+        elif self.offload_optimizer:
+            flags.append("--ds_config ds_configs/zero3_offload.json")
+        elif self.bf16_states:
+            flags.append("--ds_config ds_configs/zero3_bf16_states.json")
+        return " ".join(flags)
+
+    def off(self, lever: str, reason: str) -> "Levers":
+        """The same levers with one turned off, and why."""
+        return dataclasses.replace(self, **{lever: False}, why={**self.why, lever: reason})
+
+
+def kept_attention_bytes(g: dict, tokens: int, act_bytes: int) -> int:
+    """What keeping the attention outputs costs per rank: the output and its fp32 log-sum-exp, every layer."""
+    return g["layers"] * tokens * (g["attn_width"] * act_bytes + g["heads"] * 4)
+
+
+def checkpoint_bytes(g: dict, tokens: int, act_bytes: int) -> int:
+    """The checkpointed layer inputs of one rank."""
+    return g["layers"] * tokens * g["hidden"] * act_bytes
+
+
+def _keep_attention(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
+                    offload: bool) -> tuple[bool, str]:
+    if request.attn_recompute != "auto":
+        return request.attn_recompute == "never", ""
+    if device.type != "cuda":
+        return False, "auto: recompute on the CPU"
+    kept = kept_attention_bytes(g, tokens, act_bytes)
+    if offload:  # kept outputs go to the host with the checkpoints, from every local rank
+        total = (kept + checkpoint_bytes(g, tokens, act_bytes)) * device.local_ranks
+        limit = KEEP_HOST_FRACTION * device.host_memory_bytes
+        return total < limit, f"auto: kept outputs and checkpoints {total / GiB:.1f} GiB on the host, " \
+                              f"{'under' if total < limit else 'over'} {limit / GiB:.1f} GiB"
+    limit = KEEP_DEVICE_FRACTION * device.memory_bytes
+    return kept < limit, f"auto: kept outputs {kept / GiB:.1f} GiB, {'under' if kept < limit else 'over'} " \
+                         f"{limit / GiB:.1f} GiB of the device"
+
+
+def _tiled_mlp(mode: str, g: dict, tokens: int, act_bytes: int) -> tuple[bool, str]:
+    if mode != "auto":
+        return mode == "on", ""
+    one = tokens * g["inter"] * act_bytes
+    return one > TILE_ABOVE_BYTES, f"auto: one seq x intermediate tensor is {one / GiB:.2f} GiB " \
+                                   f"({'over' if one > TILE_ABOVE_BYTES else 'not over'} 2 GiB)"
+
+
+def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
+                   ds_choices: Optional[dict] = None) -> Levers:
+    """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
+    micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
+    config fixes (tools/plan.py: ds_config_choices)."""
+    ds_choices = ds_choices or {}
+    why = {}
+    offload = request.offload_activations and device.type == "cuda"
+    if request.offload_activations and not offload:
+        why["offload_activations"] = "needs CUDA: the host is where activations live already"
+    keep, why["keep_attention"] = _keep_attention(request, g, tokens, act_bytes, device, offload)
+    tiled, why["tiled_mlp"] = _tiled_mlp(request.tiled_mlp, g, tokens, act_bytes)
+    fused = request.fused_kernels == "on" or (request.fused_kernels == "auto" and device.type == "cuda"
+                                              and device.triton)
+    if request.fused_kernels == "auto":
+        why["fused_kernels"] = "auto: on for CUDA with Triton" if fused else "auto: off (CUDA with Triton only)"
+    return Levers(loss=request.loss, checkpointing=request.gradient_checkpointing,
+                  keep_attention=keep and request.gradient_checkpointing, offload_activations=offload,
+                  tiled_mlp=tiled, lean_norm=request.lean_norm != "off", fused_kernels=fused,
+                  share_master=request.share_master_weights, bf16_states=ds_choices.get("bf16_states", False),
+                  offload_optimizer=ds_choices.get("offload_optimizer", False),
+                  gqa_native=not (act_bytes == 4 and device.type == "cuda"),
+                  why={k: v for k, v in why.items() if v})

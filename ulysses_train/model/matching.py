@@ -1,0 +1,133 @@
+"""Which transformers modules compute what our levers replace, decided by what they compute, not how they are spelt.
+
+A lever replaces a module's forward only where the original computes exactly the function the replacement
+computes: a probe runs the original (the class's own `forward` on stand-in weights, or the modeling file's own
+function) and the reference formula on the same small random input, and they must agree bit for bit in fp32. So a
+transformers release that rewrites a norm without changing it still matches, while a variant (Gemma's `1 + weight`
+norm, GLM's interleaved rotary, a GELU MLP) does not, and keeps its own ops. The probes run on the CPU on tiny
+tensors, once per forward (or function).
+
+Why probes rather than transformers' extension point: transformers marks these layers for replacement through hub
+kernels (`use_kernel_forward_from_hub("RMSNorm")`, `use_kernelized_func(apply_rotary_pos_emb)`), which needs the
+`kernels` package and a layer repository laid out for it, and is a no-op stub without them. Our kernels are part of
+this package and must also run on the CPU under Triton's interpreter in the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _probe_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def computes_llama_rms_norm(cls: type) -> bool:
+    """`cls.forward` is transformers' Llama RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), computed in fp32
+    from the input, the product rounded as the input (checked in fp32 and bf16)."""
+    return _norm_forward_matches(cls.forward)
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_forward_matches(forward: Callable) -> bool:
+    from ..levers.lean_norm import _RMSNormFunction
+
+    g = _probe_generator()
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(3, 5, 16, generator=g).to(dtype), torch.randn(16, generator=g).to(dtype)
+        try:
+            got = forward(SimpleNamespace(weight=w, variance_epsilon=1e-6), x)
+        except Exception:  # it needs more than a weight and an epsilon
+            return False
+        if not isinstance(got, torch.Tensor) or not torch.equal(got, _RMSNormFunction.apply(x, w, 1e-6)):
+            return False
+    return True
+
+
+def computes_swiglu(cls: type, act_type: type) -> bool:
+    """`cls.forward`, with an activation of type `act_type`, is down(silu(gate(x)) * up(x))."""
+    return _mlp_forward_matches(cls.forward, act_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_forward_matches(forward: Callable, act_type: type) -> bool:
+    g = _probe_generator()
+    torch.manual_seed(0)
+    gate, up, down = torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(8, 12, bias=False), \
+        torch.nn.Linear(12, 8, bias=False)
+    try:
+        act = act_type()
+    except Exception:  # an activation built with arguments: not SiLU
+        return False
+    x = torch.randn(2, 3, 8, generator=g)
+    try:
+        with torch.no_grad():
+            got = forward(SimpleNamespace(gate_proj=gate, up_proj=up, down_proj=down, act_fn=act), x)
+            want = down(F.silu(gate(x)) * up(x))
+    except Exception:
+        return False
+    return isinstance(got, torch.Tensor) and torch.equal(got, want)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def computes_llama_rotary(fn: Callable) -> bool:
+    """`fn(q, k, cos, sin)` is the Llama rotary embedding: x * cos + rotate_half(x) * sin, cos and sin (b, s, d)
+    broadcast over the heads of q and k (b, h, s, d)."""
+    g = _probe_generator()
+    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    angles = torch.rand(1, 3, 4, generator=g) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    try:
+        got_q, got_k = fn(q, k, cos, sin)
+    except Exception:
+        return False
+    want = [t * cos[:, None] + _rotate_half(t) * sin[:, None] for t in (q, k)]
+    return torch.equal(got_q, want[0]) and torch.equal(got_k, want[1])
+
+
+def uses_global(fn: Callable, name: str) -> bool:
+    """The innermost function under `fn`'s decorators reads the module global `name`."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return code is not None and name in code.co_names
+
+
+def rebind_global(fn: Callable, name: str, value) -> Optional[Callable]:
+    """A copy of `fn` that reads the module global `name` as `value`, the module itself untouched; decorators made
+    with functools.wraps around it are copied around the copy. None when a decorator holds its function some other
+    way than in its closure."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        new = types.FunctionType(fn.__code__, {**fn.__globals__, name: value}, fn.__name__, fn.__defaults__,
+                                 fn.__closure__)
+    else:
+        cells = fn.__closure__ or ()
+        holds = [i for i, c in enumerate(cells) if _cell_value(c) is inner]
+        new_inner = rebind_global(inner, name, value)
+        if not holds or new_inner is None:
+            return None
+        closure = tuple(types.CellType(new_inner) if i in holds else c for i, c in enumerate(cells))
+        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    functools.update_wrapper(new, fn)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    if inner is not None:
+        new.__wrapped__ = new_inner
+    return new
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None

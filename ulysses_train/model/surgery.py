@@ -1,0 +1,237 @@
+"""Every change the trainer makes to a transformers model, in one place, each declared: what it replaces, which
+modules it expects to patch, and the lever and flag that ask for it.
+
+| patch | replaces | expects |
+|---|---|---|
+| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying | the output embedding |
+| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours | every decoder layer |
+| RMSNorm | the forward of each norm computing Llama's RMSNorm, by the lean (or fused) one | every `*RMSNorm` module |
+| rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
+| SwiGLU | the forward of each MLP computing down(silu(gate) * up), by the fused product | every dense `*.mlp` |
+| tiled MLP | the forward of each dense MLP, by DeepSpeed's TiledMLP over sequence tiles | every dense `*.mlp` |
+
+What a module computes decides whether it is patched (model/matching.py), not how its code is spelt. A lever the
+policy turned on that patches no module is an error naming its flag when the flag asked for it, and under `auto`
+turns the lever off (so the levers the planner and the log report are the ones that run), with the reason. The
+class swaps go through subclasses made once per original class; the rotary patch gives the attention class a copy
+of its forward bound to module globals that name our function, so nothing global changes while a model runs.
+`tests/test_surgery.py` pins how many modules each patch takes in every supported family on the installed
+transformers, so a release that moves one of them fails there.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..levers.checkpointing import make_checkpoint_fn
+from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits
+from ..levers.lean_norm import fused_forward, lean_forward
+from ..levers.loss import LMHeadWithLoss
+from ..levers.offload import HostOffload
+from ..levers.policy import Levers, LeverRequest
+from ..levers.tiled_mlp import tiled_forward
+from .matching import computes_llama_rms_norm, computes_llama_rotary, computes_swiglu, rebind_global, uses_global
+
+_SUBCLASSES: dict[tuple, type] = {}  # (original class, what replaces) -> the subclass swapped in
+
+
+def _swap_class(module: nn.Module, tag: str, attrs: dict) -> None:
+    key = (type(module), tag)
+    if key not in _SUBCLASSES:  # in the original's module, where transformers and tools look a class up
+        _SUBCLASSES[key] = type(f"{tag}{type(module).__name__}", (type(module),),
+                                {"__module__": type(module).__module__, **attrs})
+    module.__class__ = _SUBCLASSES[key]
+
+
+def _dense_mlps(model: nn.Module) -> list[nn.Module]:
+    """Decoder MLPs with gate, up and down projections (sparse MoE blocks have none of their own)."""
+    return [m for name, m in model.named_modules()
+            if name.endswith(".mlp") and all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj"))]
+
+
+# ---------------------------------------------------------------- the patches, each usable on its own
+
+
+def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 4096) -> nn.Module:
+    """The LM head returns the SP loss when called with labels (levers/loss.py), logits otherwise."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"the model's output embedding is a {type(head).__name__}, not nn.Linear")
+    head.__class__ = LMHeadWithLoss
+    head.fused, head.chunk_size = fused, chunk_size
+    return head
+
+
+def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Optional[HostOffload]) -> int:
+    """transformers' gradient checkpointing, with our checkpoint function on every layer that has one."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers' newer name for the switch
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    fn, patched = make_checkpoint_fn(keep_attention, offload), 0
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = fn
+            patched += isinstance(module, GradientCheckpointingLayer)  # the layers; the backbone has the flag too
+    return patched
+
+
+def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
+    """Every module computing Llama's RMSNorm saves less for its backward (levers/lean_norm.py); fused: one Triton
+    kernel each way."""
+    tag, forward = ("Fused", fused_forward) if fused else ("Lean", lean_forward)
+    patched = 0
+    for module in model.modules():
+        if type(module) in _SUBCLASSES.values() or not computes_llama_rms_norm(type(module)):
+            continue
+        _swap_class(module, tag, {"forward": forward})
+        patched += 1
+    return patched
+
+
+def _fused_rotary(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not rotary_fits(q, k, cos, sin, unsqueeze_dim):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return RotaryFunction.apply(q, cos, sin), RotaryFunction.apply(k, cos, sin)
+    return apply_rotary_pos_emb
+
+
+def install_fused_rotary(model: nn.Module) -> int:
+    """Every attention module whose forward applies the Llama rotary embedding through its modeling file's
+    `apply_rotary_pos_emb` runs our kernel instead."""
+    patched = 0
+    for name, module in model.named_modules():
+        cls = type(module)
+        if not name.endswith("self_attn") or cls in _SUBCLASSES.values():
+            continue
+        original = getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
+        if original is None or not uses_global(cls.forward, "apply_rotary_pos_emb"):
+            continue
+        if not computes_llama_rotary(original):
+            continue
+        forward = rebind_global(cls.forward, "apply_rotary_pos_emb", _fused_rotary(original))
+        if forward is None:
+            continue
+        _swap_class(module, "FusedRotary", {"forward": forward})
+        patched += 1
+    return patched
+
+
+def _fused_mlp_forward(self, x):
+    return self.down_proj(SiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def install_fused_mlp(model: nn.Module) -> int:
+    """Every dense MLP computing down(silu(gate(x)) * up(x)) runs silu(gate) * up as one kernel each way."""
+    patched = 0
+    for module in _dense_mlps(model):
+        if type(module) in _SUBCLASSES.values() or not computes_swiglu(type(module), type(module.act_fn)):
+            continue
+        _swap_class(module, "Fused", {"forward": _fused_mlp_forward})
+        patched += 1
+    return patched
+
+
+def enable_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
+    """Every dense MLP runs over sequence tiles (its class's forward per tile, so it composes with the fused one)."""
+    mlps = _dense_mlps(model)
+    for module in mlps:
+        module.forward = types.MethodType(tiled_forward(tile_tokens), module)
+    return len(mlps)
+
+
+# ---------------------------------------------------------------- declared, counted, reconciled with the policy
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    lever: str  # the Levers field that asks for it
+    flag: str  # the flag that controls that lever
+    expected: Callable[[nn.Module], int]  # how many modules of this model it should patch
+
+
+def _count_layers(model: nn.Module) -> int:
+    return len(getattr(model.get_decoder(), "layers", []))
+
+
+PATCHES = {
+    "loss head": Patch("loss head", "loss", "--loss", lambda m: 1),
+    "checkpointing": Patch("checkpointing", "checkpointing", "--gradient_checkpointing", _count_layers),
+    "RMSNorm": Patch("RMSNorm", "lean_norm", "--lean_norm",
+                     lambda m: sum(type(x).__name__.endswith("RMSNorm") for x in m.modules())),
+    "rotary": Patch("rotary", "fused_kernels", "--fused_kernels",
+                    lambda m: sum(n.endswith("self_attn") for n, _ in m.named_modules())),
+    "SwiGLU": Patch("SwiGLU", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
+    "tiled MLP": Patch("tiled MLP", "tiled_mlp", "--tiled_mlp", lambda m: len(_dense_mlps(m))),
+}
+
+
+@dataclass
+class SurgeryReport:
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # patch -> (patched, expected)
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {done}/{want}" for name, (done, want) in self.counts.items())
+
+
+def _explicit(request: LeverRequest, lever: str) -> bool:
+    """Whether the flag asked for the lever outright (so matching nothing is an error, not a quiet `off`)."""
+    mode = {"lean_norm": request.lean_norm, "fused_kernels": request.fused_kernels, "tiled_mlp": request.tiled_mlp}
+    return mode.get(lever, "on") == "on"
+
+
+def check_fused_kernels(levers: Levers, request: LeverRequest, device: torch.device, dtype: torch.dtype) -> Levers:
+    from ..levers.fused_check import self_check
+
+    problem = None if kernels_run_on(device) else f"they run on CUDA (or on the CPU under TRITON_INTERPRET=1), " \
+                                                  f"not on {device.type}"
+    problem = problem or self_check(device, dtype)
+    if problem is None:
+        return levers
+    if _explicit(request, "fused_kernels"):
+        raise ConfigError(f"--fused_kernels on: {problem}; use --fused_kernels auto or off")
+    return levers.off("fused_kernels", f"auto: off, {problem}")
+
+
+def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device: torch.device, dtype: torch.dtype,
+                 loss_chunk_size: int, mlp_tile_tokens: int, offload: Optional[HostOffload]
+                 ) -> tuple[Levers, SurgeryReport]:
+    """Installs what `levers` asks for; returns the levers that run (auto ones that matched nothing turned off, with
+    why) and how many modules each patch took of those it expected."""
+    if levers.fused_kernels:
+        levers = check_fused_kernels(levers, request, device, dtype)
+    steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload)),
+             ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size) is not None)),
+             ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),
+             ("rotary", lambda: install_fused_rotary(model)),
+             ("SwiGLU", lambda: install_fused_mlp(model)),
+             ("tiled MLP", lambda: enable_tiled_mlp(model, mlp_tile_tokens))]
+    report, by_lever = SurgeryReport(), {}
+    for name, install in steps:
+        patch = PATCHES[name]
+        wanted = getattr(levers, patch.lever) or (name == "RMSNorm" and levers.fused_kernels)
+        if not wanted:
+            continue
+        report.counts[name] = (install(), patch.expected(model))
+        lever = "fused_kernels" if name == "RMSNorm" and levers.fused_kernels else patch.lever
+        by_lever.setdefault(lever, []).append(name)
+    for lever, names in by_lever.items():
+        if sum(report.counts[n][0] for n in names) > 0:
+            continue
+        flag = PATCHES[names[-1]].flag
+        if _explicit(request, lever):
+            raise ConfigError(f"{flag}: no module of this {type(model).__name__} matched ({', '.join(names)}); "
+                              f"turn it off with {flag} {'false' if lever == 'checkpointing' else 'off'}")
+        levers = levers.off(lever, f"auto: off, no module of {type(model).__name__} computes what it replaces")
+    return levers, report

@@ -1,0 +1,119 @@
+"""The local attention kernels that run inside the Ulysses all-to-all, and the choice among them (`--attn_kernel`).
+
+Each takes q (b, hq, s, d), k/v (b, hkv, s, d) for the full sequence and returns (b, s, hq, d), causal. `docs`, when
+packing, gives per batch row the lengths of its documents (summing to s): attention is causal inside each document
+and never crosses one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .fa4_op import FORWARD_OP, fa4_attention
+
+def _per_document(kernel, q, k, v, scale, docs):
+    """Runs a dense causal kernel on each document separately (exact; efficient for book-length documents)."""
+    rows = []
+    for b, lengths in enumerate(docs):
+        pieces, start = [], 0
+        for n in lengths:
+            cut = slice(start, start + n)
+            pieces.append(kernel(q[b:b + 1, :, cut], k[b:b + 1, :, cut], v[b:b + 1, :, cut], scale, None))
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def _sdpa(q, k, v, scale: float, docs=None) -> torch.Tensor:
+    if docs is not None:
+        return _per_document(_sdpa, q, k, v, scale, docs)
+    if k.shape[1] != q.shape[1] and q.is_cuda and q.dtype == torch.float32:
+        # fp32 on CUDA: no fused backend takes GQA, and the math fallback would hold the whole score matrix (and
+        # escape --attn_recompute never): give every query head its own k and v instead
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    # GQA without copying k and v to every query head: cuDNN takes it at the same speed (H200, torch 2.11: 0.22 s
+    # forward+backward at 64k tokens either way) and the copies and their gradients cost 2 x (heads - kv) x s x d
+    # each (benchmarks/attn_bench.py, docs/benchmarks.md)
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).transpose(1, 2)
+
+
+def _flash_attn(q, k, v, scale: float, docs=None) -> torch.Tensor:
+    from flash_attn import flash_attn_func, flash_attn_varlen_func  # FA2 (and FA3's compatible interface)
+
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d), the layout FlashAttention takes
+    if docs is None:
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    lengths = torch.tensor([n for row in docs for n in row], device=q.device, dtype=torch.int32)
+    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    b, s = q.shape[:2]
+    out = flash_attn_varlen_func(*(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)), cu, cu,
+                                 int(lengths.max()), int(lengths.max()), softmax_scale=scale, causal=True)
+    return out.reshape(b, s, *out.shape[1:])
+
+
+def _flash_attn_4(q, k, v, scale: float, docs=None) -> torch.Tensor:
+    """FlashAttention-4 (package flash-attn-4) through our registered op, so that its outputs can be kept."""
+    if docs is not None:
+        return _per_document(_flash_attn_4, q, k, v, scale, docs)
+    return fa4_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale)  # (b, s, h, d) views, GQA native
+
+
+KERNELS: dict[str, Callable] = {"sdpa": _sdpa, "flash_attn": _flash_attn, "flash_attn_4": _flash_attn_4}
+ATTN_KERNELS = ("auto", *KERNELS)  # the choices of --attn_kernel
+# the module whose presence means the kernel is installed (FA4 also installs `flash_attn` as a namespace package,
+# so FA2 is recognised by its own interface module)
+_KERNEL_MODULES = {"sdpa": None, "flash_attn": "flash_attn.flash_attn_interface", "flash_attn_4": "flash_attn.cute"}
+
+
+def kernel_available(name: str) -> bool:
+    module = _KERNEL_MODULES[name]
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
+                   capability: tuple[int, int] = (0, 0)) -> str:
+    """`auto` is FlashAttention-4 where it runs (installed, a CUDA GPU of compute capability 9.0 or later, bf16 or
+    fp16), else SDPA (cuDNN on Hopper). Measured on the H200 in the trainer (docs/benchmarks.md), Qwen3-4B
+    with kept attention outputs: FA4 12.53 s against cuDNN 13.68 s per step at 64k tokens, 40.06 against 44.83 at
+    131k; the kernels alone run at 617-628 TFLOP/s against 541-552; FA2 measured ~325. FA4 goes through our
+    registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
+    cannot run here, is an error naming the flag."""
+    if name == "auto":
+        fa4_runs = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
+                    and kernel_available("flash_attn_4"))
+        return "flash_attn_4" if fa4_runs else "sdpa"
+    if name not in KERNELS:
+        raise ConfigError(f"--attn_kernel {name}: choose one of auto, {', '.join(KERNELS)}")
+    if not kernel_available(name):
+        pkg = {"flash_attn": "flash-attn", "flash_attn_4": "flash-attn-4"}[name]
+        raise ConfigError(f"--attn_kernel {name} needs the {pkg} package, which is not installed: "
+                          f"pip install {pkg}, or use --attn_kernel auto")
+    if device_type != "cuda" and name != "sdpa":
+        raise ConfigError(f"--attn_kernel {name} runs on CUDA GPUs only: use --attn_kernel sdpa on {device_type}")
+    if name != "sdpa" and not half_precision:
+        raise ConfigError(f"--attn_kernel {name} runs in bf16/fp16 only: pass --dtype bf16, or --attn_kernel sdpa")
+    return name
+
+
+# the attention kernels as the dispatcher sees them (what selective checkpointing keeps and the offload moves): every
+# SDPA backend, our FA4 op and the flash_attn package's
+ATTENTION_OPS = [getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)]
+ATTENTION_OPS.append(FORWARD_OP)
+try:
+    ATTENTION_OPS.append(torch.ops.flash_attn._flash_attn_forward.default)
+except (AttributeError, RuntimeError):
+    pass

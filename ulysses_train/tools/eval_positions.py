@@ -1,0 +1,150 @@
+"""Loss at every position of long sequences: does the model really read position 900,000?
+
+    python -m ulysses_train.eval_positions --model PATH --dataset DATA --seq_len N [--out DIR]
+    torchrun --nproc_per_node 8 -m ulysses_train.eval_positions ...   (Ulysses SP over all ranks)
+
+Writes `positions.csv` (bucket start, bucket end, mean loss), `positions.png` (mean loss per bucket, with the
+unigram entropy of the same tokens as a reference line: a model that ignores context does no better than that),
+and prints a summary line: the mean loss over the last 20k tokens, and the first position where the loss rises
+above the early average (first 10% of buckets) by --threshold nats. This is the check that YaRN worked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def per_position_loss(model, ids: torch.Tensor, groups, device) -> torch.Tensor:
+    """(s,) token ids of one sequence -> (s-1,) cross-entropy of predicting token t+1 from its prefix."""
+    from ..sp.sharding import IGNORE_INDEX, shard_sequence
+
+    shard = {k: v.to(device) for k, v in shard_sequence(ids[None], groups.sp_size, groups.sp_rank).items()}
+    hidden = model.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"])[0]
+    head = model.get_output_embeddings()
+    losses = []
+    for piece in torch.split(torch.arange(hidden.shape[1], device=device), 4096):  # never the full logits
+        logits = F.linear(hidden[0, piece], head.weight).float()
+        losses.append(F.cross_entropy(logits, shard["labels"][0, piece].clamp(min=0), reduction="none"))
+    local = torch.cat(losses).masked_fill(shard["labels"][0] == IGNORE_INDEX, float("nan"))
+    if groups.sp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(groups.sp_size)]
+        dist.all_gather(parts, local.contiguous(), group=groups.sp_group)
+        local = torch.cat(parts)
+    return local[: ids.shape[0] - 1].cpu()
+
+
+def unigram_entropy(ids: torch.Tensor) -> float:
+    counts = torch.bincount(ids.flatten()).float()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def summarize(losses: torch.Tensor, bucket: int, threshold: float, tail_tokens: int = 20_000) -> dict:
+    """losses: (positions,) mean loss per position. Returns bucket means and the summary numbers."""
+    n = losses.shape[0]
+    starts = list(range(0, n, bucket))
+    means = [float(losses[s:s + bucket].nanmean()) for s in starts]
+    early = [m for m in means[: max(1, len(means) // 10)]]
+    early_mean = sum(early) / len(early)
+    rise = next((s for s, m in zip(starts, means) if m > early_mean + threshold), None)
+    tail = min(tail_tokens, n)
+    return {"starts": starts, "means": means, "early_mean": early_mean, "first_rise_position": rise,
+            "tail_tokens": tail, "tail_mean": float(losses[-tail:].nanmean())}
+
+
+def plot(path: str, summary: dict, bucket: int, entropy: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    centers = [s + bucket / 2 for s in summary["starts"]]
+    ax.plot(centers, summary["means"], marker=".", label="mean loss per bucket")
+    ax.axhline(entropy, color="gray", linestyle="--", label=f"unigram entropy {entropy:.2f} nats")
+    if summary["first_rise_position"] is not None:
+        ax.axvline(summary["first_rise_position"], color="red", linestyle=":", label="first rise above early mean")
+    ax.set_xlabel("position (tokens)")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from ..data.corpus import corpus_samples, load_tokenizer
+    from ..sp.attention import ATTN_NAME, register_ulysses_attention
+    from ..sp.groups import SequenceParallelGroups
+    from ..train.launcher import exit_now, normalise_launcher_env
+
+    p = argparse.ArgumentParser(prog="python -m ulysses_train.eval_positions", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--dataset_split", default="train")
+    p.add_argument("--text_column", default=None)
+    p.add_argument("--tokenizer", default=None, help="default: the model's; 'bytes' for the byte tokenizer")
+    p.add_argument("--seq_len", type=int, required=True)
+    p.add_argument("--num_samples", type=int, default=4)
+    p.add_argument("--bucket", type=int, default=None, help="positions per bucket (default: seq_len / 64)")
+    p.add_argument("--threshold", type=float, default=0.5, help="nats above the early mean that count as a rise")
+    p.add_argument("--out", default="outputs/eval_positions")
+    p.add_argument("--data_cache_dir", default=os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"))
+    a = p.parse_args(argv)
+
+    normalise_launcher_env()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    groups = SequenceParallelGroups(dist.get_world_size())
+    register_ulysses_attention(groups.sp_group, "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=ATTN_NAME,
+                                                 dtype=torch.bfloat16 if cuda else torch.float32).to(device).eval()
+    tokenizer = load_tokenizer(a.tokenizer, a.model)
+    samples, _ = corpus_samples(a.dataset, a.dataset_split, a.text_column, tokenizer, a.seq_len, a.data_cache_dir)
+    n = min(a.num_samples, len(samples))
+    total, seen = torch.zeros(a.seq_len - 1), []
+    with torch.no_grad():
+        for i in range(n):
+            ids, _ = samples.sample(i)
+            seen.append(ids)
+            total += per_position_loss(model, ids, groups, device)
+    if dist.get_rank() == 0:
+        bucket = a.bucket or max(1, a.seq_len // 64)
+        summary = summarize(total / n, bucket, a.threshold)
+        entropy = unigram_entropy(torch.stack(seen))
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "positions.csv"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["bucket_start", "bucket_end", "mean_loss"])
+            for s, m in zip(summary["starts"], summary["means"]):
+                writer.writerow([s, min(s + bucket, a.seq_len - 1), f"{m:.6f}"])
+        plot(os.path.join(a.out, "positions.png"), summary, bucket, entropy,
+             f"{os.path.basename(a.model.rstrip('/'))}: {n} x {a.seq_len:,} tokens")
+        line = {"tail_tokens": summary["tail_tokens"], "tail_mean_loss": summary["tail_mean"],
+                "early_mean_loss": summary["early_mean"], "first_rise_position": summary["first_rise_position"],
+                "unigram_entropy": entropy, "samples": n}
+        with open(os.path.join(a.out, "summary.json"), "w") as f:
+            json.dump(line, f)
+        rise = summary["first_rise_position"]
+        print(f"last {summary['tail_tokens']:,} tokens: mean loss {summary['tail_mean']:.4f} (unigram entropy "
+              f"{entropy:.4f}); {'no rise' if rise is None else f'loss first rises {a.threshold} nats above the early mean at position {rise:,}'}"
+              f" -> {a.out}")
+    dist.barrier()
+    exit_now(0)  # see exit_now: no process-group teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())

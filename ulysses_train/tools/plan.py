@@ -1,0 +1,253 @@
+"""Memory planner: will this run fit, which levers does it need, how many GPUs?
+
+    python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ds_config F]
+    python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
+
+Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
+the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
+recomputed (attention, MLP tiled or not), the loss, and the all-to-all buffers. It first says what the default
+flags do (the levers come from the same policy as the trainer's, levers/policy.py), then the cheapest levers that
+fit. The formulas are in docs/memory.md with a comparison against the peaks measured on the H200."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional
+
+from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_bytes, kept_attention_bytes, \
+    resolve_levers
+from ..model.geometry import geometry
+from ..sp.dims import valid_sp_sizes
+from ..train.ds_config import lever_choices, load_ds_config
+
+CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
+# The recomputed layer's attention block, at its peak in the backward, holds about this many (tokens x heads*head_dim)
+# bf16 tensors, plus the fp32 copies that transformers' RMSNorms keep of their inputs (the layer's input norm and
+# Qwen3's q and k norms; none with --lean_norm). Fitted (one number) on ten H200 peaks measured with transformers'
+# norms, where the whole block came out at 19.6-21.5 such tensors for 64k-524k tokens per rank (20 for Qwen3-4B,
+# largest error 2.2%), of which the fp32 norm copies are 3.75. Counted by hand the rest reaches ~16: q, k and v after
+# projection, the norms' bf16 outputs, rotary temporaries, k and v expanded to all heads, the output and its layout
+# copy, dq, expanded dk and dv, cuDNN's fp32 dq accumulator (2).
+ATTENTION_TENSORS = 16.25
+# The same block with GQA handed to the kernel as is (`enable_gqa` in bf16/fp16, and FA4), instead of k and v
+# copied to every query head: measured on the H200 at 8.5 units (131k tokens, SP=1) and 6.5
+# (1M tokens, SP=2); 7.5 is used (docs/memory.md). More than the copies themselves (k, v, dk, dv at full width,
+# 4 units): the expanded path also held cuDNN's full-width gradient buffers. Models without GQA keep 16.25
+# (not measured without the copies).
+ATTENTION_TENSORS_GQA = 7.5
+# Our fused rotary (--fused_kernels) writes q and k rotated in one pass, without transformers' temporaries (q * cos,
+# rotate_half's negated half and concatenation, the product with sin, and their gradients in the backward). Measured
+# on the H200 at 131k tokens, where the attention block sets the peak: 44.99 -> 43.70 GiB with the kernels (FA4,
+# tiled MLP), 1.29 units; 1.25 is used. The fused SwiGLU saves gate and
+# up only, not silu(gate): one (tokens x intermediate) tensor less, 42.25 -> 41.06 GiB at 64k (MLP-bound), exactly it.
+FUSED_ROTARY_SAVING = 1.25
+
+
+def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
+             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2) -> dict:
+    """Bytes per GPU (and per host, for all local ranks' offloads) of each component."""
+    t = math.ceil(seq_len / sp)  # tokens per rank
+    n, b = g["params"], act_bytes
+    # ZeRO partitions optimizer states from stage 1, gradients from stage 2, weights at stage 3, over all GPUs
+    w_div, g_div, o_div = (gpus if zero_stage >= k else 1 for k in (3, 2, 1))
+    if levers.offload_optimizer:
+        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
+        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
+        gpu_states, host_states = 2 * n / w_div, 18 * n / o_div
+    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a
+        # master copy 2 unless --share_master_weights makes the model's partition the master
+        optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
+        gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
+    gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
+    checkpoints = checkpoint_bytes(g, t, b) if levers.checkpointing else 0
+    kept = kept_attention_bytes(g, t, b) if levers.keep_attention else 0
+    # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
+    norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
+    units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
+    units -= FUSED_ROTARY_SAVING if levers.fused_kernels else 0
+    attention = units * t * g["attn_width"] * b + norm_copies
+    mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
+    # gate, up, act, product + two gradients; the fused SwiGLU keeps no act
+    mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
+    hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
+    layer = hidden_acts + max(attention, mlp)
+    loss = loss_chunk * g["vocab"] * (4 + b) + g["vocab"] * g["hidden"] * 4 + 2 * t * g["hidden"] * b
+    a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * sp)) * b if sp > 1 else 0
+    on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
+    on_gpu_kept = 0 if levers.offload_activations else kept  # the offload takes the kept outputs too
+    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
+           "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
+    # the loss runs at the end of the forward, the layer working set in the backward: never both at once
+    transient = max(layer + a2a, loss)
+    gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
+    ranks_per_host = min(gpus, 8)
+    host = {"optimizer offload": host_states * ranks_per_host,
+            "offloaded checkpoints": ((checkpoints if levers.offload_activations else 0) + kept - on_gpu_kept)
+            * ranks_per_host}
+    return {"tokens_per_rank": t, "gpu": gpu, "gpu_total": gpu_total, "host": host,
+            "host_total": sum(host.values()) + 4 * GiB * ranks_per_host}
+
+
+# cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices)
+LEVER_LADDER = [
+    (LeverRequest(attn_recompute="never", tiled_mlp="off"), {}),  # kept attention: fastest
+    (LeverRequest(attn_recompute="never", tiled_mlp="off", offload_activations=True), {}),  # copies overlap compute
+    (LeverRequest(attn_recompute="never", tiled_mlp="on", offload_activations=True), {}),  # one more MLP forward
+    (LeverRequest(attn_recompute="never", tiled_mlp="on", offload_activations=True),
+     {"bf16_states": True}),  # TRL's precision for optimizer states
+    (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True),
+     {"bf16_states": True}),  # ~15% slower
+    (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True), {"offload_optimizer": True}),
+]
+
+
+def ds_config_choices(path: str) -> dict:
+    """What a DeepSpeed JSON fixes for the planner: ZeRO stage, bf16 optimizer states, optimizer on the CPU."""
+    return lever_choices(load_ds_config(path))
+
+
+def planned_device(gpus: int, gpu_mem: float, host_mem: float) -> DeviceInfo:
+    return DeviceInfo.gpu(gpu_mem / GiB, host_mem / GiB, local_ranks=min(gpus, 8))
+
+
+def levers_for(request: LeverRequest, g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
+               ds_choices: Optional[dict] = None, micro: int = 1) -> Levers:
+    """What the trainer would resolve for these flags on the planned machine (the same policy call)."""
+    return resolve_levers(request, g, micro * math.ceil(seq_len / sp), 2, planned_device(gpus, gpu_mem, host_mem),
+                          ds_choices)
+
+
+def _ladder(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
+            fixed: Optional[dict]) -> list[Levers]:
+    """The lever ladder, resolved; with a DeepSpeed config its optimizer choices replace the ladder's, duplicates
+    dropped."""
+    rungs = []
+    for request, states in LEVER_LADDER:
+        choices = {**states, **{k: v for k, v in (fixed or {}).items() if k in ("bf16_states", "offload_optimizer")}}
+        rung = levers_for(request, g, seq_len, gpus, sp, gpu_mem, host_mem, choices)
+        if rung not in rungs:
+            rungs.append(rung)
+    return rungs
+
+
+def fits(est: dict, gpu_mem: float, host_mem: float) -> bool:
+    return est["gpu_total"] <= 0.95 * gpu_mem and est["host_total"] <= host_mem
+
+
+def plan(g: dict, seq_len: int, gpus: int, sp_sizes, gpu_mem: float, host_mem: float,
+         ds_choices: Optional[dict] = None) -> tuple:
+    """The smallest SP size and the cheapest rung of the ladder that fit: (sp, levers, estimate, everything tried)."""
+    tried = []
+    zero_stage = (ds_choices or {}).get("zero_stage", 3)
+    for sp in sp_sizes:
+        for levers in _ladder(g, seq_len, gpus, sp, gpu_mem, host_mem, ds_choices):
+            est = estimate(g, seq_len, gpus, sp, levers, zero_stage=zero_stage)
+            tried.append((sp, levers, est, fits(est, gpu_mem, host_mem)))
+            if tried[-1][3]:
+                return sp, levers, est, tried
+    return None, None, None, tried
+
+
+def longest_fit(g: dict, gpus: int, sp_sizes, gpu_mem: float, host_mem: float, ds_choices: Optional[dict] = None,
+                step: int = 8192) -> int:
+    """The longest sequence (a multiple of `step`) for which some rung of the ladder fits, 0 if none does. Every
+    component grows with the length, so whether anything fits is monotone in it: double, then bisect."""
+    def fits(n: int) -> bool:
+        return plan(g, n * step, gpus, sp_sizes, gpu_mem, host_mem, ds_choices)[0] is not None
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi):
+        hi *= 2
+    lo = hi // 2  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def default_sp_size(gpus: int) -> int:
+    """The trainer's default --sp_size: the ranks of one node (8 GPUs a node here)."""
+    return math.gcd(min(gpus, 8), gpus)
+
+
+def default_flags(g: dict, seq_len: int, gpus: int, sp: Optional[int], gpu_mem: float, host_mem: float,
+                  ds_choices: Optional[dict]) -> str:
+    """What the trainer does with the default lever flags, and whether that fits."""
+    sp = sp or default_sp_size(gpus)
+    if not valid_sp_sizes(gpus, g["heads"], g["kv"], sp):
+        return f"with the default flags: --sp_size {sp} does not suit {g['heads']} heads / {g['kv']} KV heads"
+    levers = levers_for(LeverRequest(), g, seq_len, gpus, sp, gpu_mem, host_mem, ds_choices)
+    est = estimate(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3))
+    verdict = "fits" if fits(est, gpu_mem, host_mem) else "does not fit"
+    return (f"with the default flags (--sp_size {sp}): {levers.flags()}, fused kernels {levers.fused_kernels}: "
+            f"{est['gpu_total'] / GiB:.1f} GiB per GPU, {est['host_total'] / GiB:.1f} GiB host: {verdict}")
+
+
+def _table(rows) -> str:
+    return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
+
+
+def main(argv=None) -> int:
+    from ..model.build import load_model_config
+
+    p = argparse.ArgumentParser(prog="python -m ulysses_train.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_config", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--num_layers", type=int, default=None)
+    p.add_argument("--seq_len", type=int, default=None)
+    p.add_argument("--longest", action="store_true",
+                   help="instead of --seq_len: find the longest sequence (a multiple of 8192) that fits, and plan it")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--sp_size", type=int, default=None)
+    p.add_argument("--gpu_mem_gib", type=float, default=139.7, help="default: an H200")
+    p.add_argument("--host_mem_gib", type=float, default=125.0, help="per host")
+    p.add_argument("--ds_config", default=None,
+                   help="a DeepSpeed JSON: its ZeRO stage and optimizer precision/offload are used as given "
+                        "(default: ZeRO-3, and the planner picks the optimizer states)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
+    sizes = valid_sp_sizes(a.gpus, g["heads"], g["kv"], a.sp_size)
+    if not sizes:
+        print(f"error: no valid --sp_size for {a.gpus} GPUs and {g['heads']} heads / {g['kv']} KV heads")
+        return 2
+    ds_choices = ds_config_choices(a.ds_config) if a.ds_config else None
+    if a.longest:
+        a.seq_len = longest_fit(g, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices)
+        if not a.seq_len:
+            print(f"nothing fits even at 8,192 tokens on {a.gpus} GPU(s) of {a.gpu_mem_gib} GiB")
+            return 1
+        print(f"longest sequence that fits: {a.seq_len:,} tokens")
+    elif a.seq_len is None:
+        p.error("give --seq_len N, or --longest")
+    sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
+                                  ds_choices)
+    if a.json:
+        print(json.dumps({"sp_size": sp, "levers": levers and levers.flags(a.ds_config), "estimate": est},
+                         default=str))
+        return 0 if sp else 1
+    print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
+    print(default_flags(g, a.seq_len, a.gpus, a.sp_size, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices))
+    if sp is None:
+        sp_last, lev_last, worst, _ = tried[-1]
+        print(f"nothing fits: with every lever and --sp_size {sp_last}, {worst['gpu_total'] / GiB:.1f} GiB per GPU "
+              f"(limit {a.gpu_mem_gib}) and {worst['host_total'] / GiB:.1f} GiB host (limit {a.host_mem_gib}):")
+        print(_table(worst["gpu"].items()))
+        print("use more GPUs, a shorter --seq_len, or fewer layers")
+        return 1
+    print(f"fits with --sp_size {sp} {levers.flags(a.ds_config)}  ({est['tokens_per_rank']:,} tokens per rank)")
+    print("per GPU:")
+    print(_table(list(est["gpu"].items()) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
+    print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")
+    print(_table(list(est["host"].items()) + [("total", est["host_total"])]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

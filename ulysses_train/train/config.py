@@ -1,0 +1,213 @@
+"""Typed run configuration: every command-line flag is a field here, with its help text, and every check that can
+be made before any process group exists is made in `TrainConfig.validate`, so that bad settings fail on every rank
+the same way, before any work, with a message that names the flag to change."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+
+from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KINDS
+from ..levers.rope import ROPE_SCALINGS
+from ..sp.kernels import ATTN_KERNELS
+
+DTYPES = ("auto", "bf16", "fp32")
+LEAN_NORM = (*AUTO_ON_OFF, "true", "false")  # true and false as when the flag was a switch
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _f(default, help: str, choices=None, **kw):
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # ---- model ----
+    model: Optional[str] = _f(None, "Local folder or hub id of a pretrained causal LM (weights and tokenizer are "
+                                    "loaded from it). Mutually exclusive with --model_config.")
+    model_config: Optional[str] = _f(None, "Random initialisation from a preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, "
+                                           "qwen3-30b-a3b) or a config.json path. Default: tiny, when --model is not given.")
+    num_layers: Optional[int] = _f(None, "Override the number of decoder layers of --model_config (for benchmarks at "
+                                         "reduced depth).")
+    attn_kernel: str = _f("auto", "Local attention kernel run inside the Ulysses all-to-all. auto: flash_attn_4 "
+                                  "where it runs (package flash-attn-4 installed, compute capability 9.0+, bf16/fp16), "
+                                  "else sdpa (cuDNN on Hopper).", ATTN_KERNELS)
+    # ---- parallelism ----
+    sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
+                                      "world size; the rest is data parallel. Default: the ranks on one node.")
+    # ---- data ----
+    dataset: Optional[str] = _f(None, "Training text: a hub id (datasets.load_dataset) or a local file/folder of .txt "
+                                      "(one file = one document), .jsonl/.json, .parquet, .arrow, or a save_to_disk "
+                                      "folder. Default: generated tokens (the embedded default).")
+    dataset_split: str = _f("train", "Split of --dataset.")
+    text_column: Optional[str] = _f(None, "Column holding the text. Default: 'text'.")
+    streaming: bool = _f(False, "Stream a hub dataset instead of downloading it whole (with --max_tokens).")
+    max_tokens: Optional[int] = _f(None, "Stop reading the corpus after this many tokens.")
+    tokenizer: Optional[str] = _f(None, "'bytes' (byte-level, 259 ids, offline), a tokenizer path/hub id, or by "
+                                        "default the --model's own (bytes when there is no --model).")
+    num_proc: Optional[int] = _f(None, "Processes for tokenizing (datasets.map).")
+    last_sample: str = _f("drop", "The corpus's last partial sample: drop it, or pad it (padding is not trained on).",
+                          ("drop", "pad"))
+    packing: bool = _f(False, "Keep document boundaries inside a sample: positions restart at each document and "
+                              "attention never crosses one (also under sequence parallelism).")
+    data_cache_dir: str = _f(os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"),
+                             "Where the tokenized corpus arrays are cached (keyed by the data and tokenizer).")
+    pad_to_sp: bool = _f(False, "Pad sequences to a multiple of --sp_size (padding not trained on) instead of "
+                                "failing when --seq_len is not one.")
+    seq_len: int = _f(1024, "Tokens per sequence (one sample). Must be a multiple of --sp_size.")
+    micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step. Default: the DS config's "
+                                               "train_micro_batch_size_per_gpu, else 1.")
+    grad_accum: Optional[int] = _f(None, "Micro-steps per optimizer step. Default: the DS config's "
+                                         "gradient_accumulation_steps, else 1.")
+    seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.")
+    # ---- optimisation ----
+    steps: int = _f(30, "Optimizer steps to run.")
+    lr: Optional[float] = _f(None, "Peak learning rate. Default: the DS config's optimizer lr, else 1e-3 for random "
+                                   "init and 1e-5 for a pretrained --model.")
+    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
+    warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: 10%% of --steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables). Default: the DS config's "
+                                              "gradient_clipping, else 1.0.")
+    dtype: str = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.", DTYPES)
+    # ---- memory levers ----
+    loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
+                            "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
+    loss_chunk_size: int = _f(4096, "Rows per chunk of the fused loss (peak loss memory ~ chunk x vocab x 4 bytes).")
+    gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
+    attn_recompute: str = _f("auto", "never: keep each layer's attention output and log-sum-exp from the forward, so "
+                                     "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
+                                     "bytes; on the host with --offload_activations). always: plain checkpointing. "
+                                     "auto: keep while that takes under 15%% of the device memory, or with "
+                                     "--offload_activations while it and the checkpoints take under half the "
+                                     "host memory.", ATTN_RECOMPUTE)
+    tiled_mlp: str = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, recomputed per tile in "
+                                "backward, so its seq x intermediate tensors never exist whole. auto: on when one "
+                                "such tensor would exceed 2 GiB.", AUTO_ON_OFF)
+    mlp_tile_tokens: int = _f(16384, "Tokens per MLP tile (per rank).")
+    share_master_weights: bool = _f(True, "ZeRO-3 with master weights in the model's dtype (bf16 states, or fp32): "
+                                          "the optimizer updates the model's partition in place instead of a copy "
+                                          "of it (2 bytes per parameter less in bf16; the same numbers).")
+    lean_norm: str = _f("auto", "Llama-style RMSNorms save their input in the model dtype and one fp32 number per "
+                                "row for the backward, instead of an fp32 copy of the input (4 bytes less per "
+                                "element in bf16; the same forward, bit for bit). auto: on where the model has "
+                                "such norms. on (true): required. off (false): transformers' norms.", LEAN_NORM)
+    fused_kernels: str = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the rotary embedding "
+                                    "and the SwiGLU product: one kernel each way instead of up to seven small ones "
+                                    "(docs/benchmarks.md). auto: on for CUDA devices with Triton installed, if a "
+                                    "self-check against the ops they replace passes (else those ops, the reason "
+                                    "logged). on: required. off: transformers' ops.",
+                            AUTO_ON_OFF)
+    rope_scaling: str = _f("none", "yarn: YaRN rescaling of rotary positions for sequences past the model's "
+                                   "pretrained length; rope_theta and that length are read from the model config.",
+                           ROPE_SCALINGS)
+    rope_factor: Optional[float] = _f(None, "YaRN factor. Default: --seq_len / the model's pretrained length.")
+    rope_theta: Optional[float] = _f(None, "Only as a check: must equal the model's rope_theta (it is read from "
+                                           "the model config).")
+    rope_original_max_positions: Optional[int] = _f(None, "Only as a check: must equal the model's pretrained "
+                                                          "length (read from the model config).")
+    offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
+                                          "prefetched back one layer ahead of the backward (GPU only).")
+    # ---- DeepSpeed / output ----
+    ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
+                        "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
+    save_steps: int = _f(0, "Save a checkpoint every N optimizer steps and at the end (0: only on SIGTERM).")
+    save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints.")
+    resume: Optional[str] = _f(None, "auto: continue from the newest complete checkpoint in <output_dir> (start "
+                                     "fresh if there is none); or a checkpoint path.")
+    skip_nonfinite: bool = _f(False, "Skip an optimizer step whose loss is NaN/inf instead of stopping the run "
+                                     "(needs --grad_accum 1).")
+    output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
+    tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard.")
+    log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
+    verify: bool = _f(False, "Check this run against plain transformers instead of training: one step of the run as "
+                             "configured (every flag applies) at --verify_seq_len, its loss and every parameter's "
+                             "gradient compared with a single-process transformers reference on the same weights "
+                             "and tokens, in fp32 and in the run's dtype. Prints a table and the verdict; exit code "
+                             "0 within tolerance, 1 outside it (README: \"Is my run exact?\").")
+    verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).")
+    profile_memory: int = _f(0, "Record memory for the first N steps: <output_dir>/memory/memory.png (stacked by "
+                                "category), memory.json and, on CUDA, PyTorch's snapshot.pickle. Slows those steps.")
+
+    def validate(self) -> None:
+        """All checks that need neither a model nor a process group."""
+        if self.model and self.model_config:
+            raise ConfigError("--model and --model_config are mutually exclusive: give one of them")
+        for name in ("seq_len", "steps", "loss_chunk_size", "log_every", "mlp_tile_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
+                     "save_total_limit", "verify_seq_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{name} must be positive, got {value}")
+        if self.profile_memory < 0 or self.profile_memory > self.steps:
+            raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
+        if self.save_steps < 0:
+            raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
+        if self.streaming and not self.dataset:
+            raise ConfigError("--streaming needs --dataset")
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise ConfigError(f"--warmup_steps must be in [0, --steps={self.steps}], got {self.warmup_steps}")
+        if not os.path.isfile(self.ds_config):
+            raise ConfigError(f"--ds_config {self.ds_config}: no such file")
+        try:
+            with open(self.ds_config) as f:
+                json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--ds_config {self.ds_config} is not valid JSON: {e}") from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _str2bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py",
+        description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        kind = f.type if isinstance(f.type, type) else eval(f.type, {"Optional": Optional})  # noqa: S307
+        base = getattr(kind, "__args__", (kind,))[0]
+        kw = dict(help=f.metadata["help"], default=f.default, dest=f.name)
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        if base is bool:
+            kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
+        else:
+            kw["type"] = base
+        parser.add_argument(f"--{f.name}", **kw)
+    # launchers (deepspeed, older torch.distributed.launch) append --local_rank; the rank comes from the environment
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv=None) -> tuple[TrainConfig, set[str]]:
+    """Returns the config and the set of flags the user typed explicitly (which must then agree with the DS JSON)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    # a second parse with every default suppressed tells which flags were given explicitly
+    probe = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            probe.add_argument(*action.option_strings, dest=action.dest, type=action.type, nargs=action.nargs,
+                               const=action.const)
+    explicit = set(vars(probe.parse_known_args(argv)[0])) - {"local_rank"}
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**values), explicit

@@ -1,0 +1,98 @@
+"""Stopping well: preemption (SIGTERM), non-finite losses, and fault injection for the tests.
+
+SIGTERM (what SLURM sends before preempting or at the time limit) only sets a flag; the trainer checks it after
+each optimizer step, agrees across ranks (any rank signalled -> all stop), saves a checkpoint and exits 0, so a
+requeued job resumes with `--resume auto`.
+
+`ULYSSES_TRAIN_FAULT` injects a fault, for tests and drills only: `raise:STEP:RANK` raises on one rank at the
+start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs rank 0 at the start of a step,
+`kill_in_save:STEP` SIGKILLs rank 0 in the middle of that step's checkpoint, `enospc_in_save:STEP` fails that
+save as a full disk would.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/inf loss or gradient; the message names the step."""
+
+
+class StopFlag:
+    def __init__(self):
+        self.requested = False
+        self.signal_name = None
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested, self.signal_name = True, signal.Signals(signum).name
+
+    def agreed(self, device) -> bool:
+        """Collective: True on every rank if any rank was signalled."""
+        flag = torch.tensor(float(self.requested), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def any_rank(condition: bool, device) -> bool:
+    flag = torch.tensor(float(condition), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def loss_is_skipped(loss: torch.Tensor, step: int, skip_nonfinite: bool) -> bool:
+    """Collective: a non-finite loss on any rank stops every rank together (NonFiniteError), or with
+    --skip_nonfinite skips the step on every rank (True)."""
+    if inject_nan(step):
+        loss = loss * float("nan")
+    if not any_rank(not torch.isfinite(loss).item(), loss.device):
+        return False
+    if not skip_nonfinite:
+        raise NonFiniteError(f"non-finite loss at step {step}: stopping (pass --skip_nonfinite to skip such steps; "
+                             f"lower --lr or check the data)")
+    return True
+
+
+def check_grad_norm(grad_norm: float, step: int, skipped: bool, skip_nonfinite: bool) -> None:
+    if not skipped and not math.isfinite(grad_norm) and not skip_nonfinite:
+        raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping (pass --skip_nonfinite to continue; "
+                             f"DeepSpeed skips bf16 updates with overflowing gradients)")
+
+
+def _fault():
+    spec = os.environ.get("ULYSSES_TRAIN_FAULT", "")
+    return spec.split(":") if spec else []
+
+
+def inject_at_step(step: int, rank: int) -> None:
+    """Called at the start of each (1-based) step."""
+    fault = _fault()
+    if not fault or int(fault[1]) != step:
+        return
+    if fault[0] == "raise" and int(fault[2]) == rank:
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (ULYSSES_TRAIN_FAULT)")
+    if fault[0] == "kill" and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject_nan(step: int) -> bool:
+    fault = _fault()
+    return bool(fault) and fault[0] == "nan" and int(fault[1]) == step
+
+
+def inject_in_save(step: int, rank: int) -> None:
+    """Called between writing a checkpoint's shards and marking it complete."""
+    fault = _fault()
+    if not fault or int(fault[1]) != step or rank != 0:
+        return
+    if fault[0] == "kill_in_save":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault[0] == "enospc_in_save":
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -1,0 +1,89 @@
+"""Per-step metrics: a tqdm bar and a readable line on rank 0, `metrics.jsonl` (one object per optimizer step),
+and optionally TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from typing import Optional
+
+import torch
+
+KEYS = ("step", "loss", "grad_norm", "num_tokens", "tokens_per_s", "step_time_s", "peak_mem_gib", "lr")
+
+
+def host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_peak_gib(device: torch.device) -> float:
+    """Peak accelerator memory allocated by this process; on CPU, the host peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return host_peak_gib()
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, tensorboard: bool = False,
+                 log_every: int = 1, start_step: int = 0):
+        self.enabled, self.log_every = enabled, log_every
+        self.bar = self.file = self.tb = None
+        if not enabled:
+            return
+        from tqdm.auto import tqdm
+
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if start_step and os.path.exists(path):  # resuming: keep the steps before the checkpoint, drop later ones
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self.file = open(path, "a" if start_step else "w")
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def log(self, record: dict, extra: Optional[dict] = None) -> None:
+        if not self.enabled:
+            return
+        record = {k: record[k] for k in KEYS} | (extra or {})
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, record["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if record["step"] % self.log_every == 0 or record["step"] == 1:
+            self.bar.write(
+                f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
+                f"tokens {record['num_tokens']} | {record['tokens_per_s']:.0f} tok/s | {record['step_time_s']:.2f} s"
+                f" | peak {record['peak_mem_gib']:.2f} GiB | lr {record['lr']:.2e}")
+
+    def write(self, message: str) -> None:
+        if self.enabled:
+            self.bar.write(message)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,244 @@
+"""The run, built: distributed setup, data, the model with its levers, the DeepSpeed engine (not HF Trainer).
+
+    deepspeed launch/train.py --ds_config ds_configs/zero3.json [flags]
+
+Every rank of an SP group receives the same whole sequence, keeps its `seq/sp` shard, and runs the model with
+Ulysses attention; the loss is normalised over the whole SP group. The true gradient of a sequence is the *sum* of
+its SP ranks' contributions; `sp_backward_scale` says how much each rank must scale its share for DeepSpeed's
+gradient averaging to produce exactly that, so gradients equal the single-process gradients. The loop that drives
+this object is loop.py; the command line, cli.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..data.sources import CorpusSource, SyntheticSource, build_batch, global_sample_index, sample_order
+from ..errors import ConfigError
+from ..levers.loss import CausalLMWithSPLoss, sp_backward_scale
+from ..levers.master_weights import share_master_weights
+from ..levers.offload import HostOffload
+from ..levers.policy import DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..levers.rope import configure_rope
+from ..model.buffers import restore_fp32_buffers
+from ..model.build import attention_heads, build_model, load_model_config
+from ..model.geometry import geometry
+from ..model.surgery import apply_levers
+from ..sp import dims
+from ..sp.attention import register_ulysses_attention
+from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
+from ..sp.kernels import resolve_kernel
+from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from .config import TrainConfig
+from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def verify_seq_len(cfg: TrainConfig) -> int:
+    """Tokens per sequence this process runs: --seq_len, or with --verify the shorter check (the levers are still
+    chosen for --seq_len, so the check sees the run as configured)."""
+    return (cfg.verify_seq_len or min(cfg.seq_len, 4096)) if cfg.verify else cfg.seq_len
+
+
+def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: torch.dtype,
+               device: DeviceInfo) -> Levers:
+    """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags)."""
+    local_tokens = ds["train_micro_batch_size_per_gpu"] * math.ceil(cfg.seq_len / sp_size)
+    return resolve_levers(LeverRequest.from_config(cfg), geometry(model_config), local_tokens, dtype.itemsize, device,
+                          lever_choices(ds))
+
+
+class Trainer:
+    """Everything one rank needs to train: `groups`, `source`, `engine`, `levers`, the resolved batch sizes."""
+
+    def __init__(self, cfg: TrainConfig, explicit: set[str]):
+        from deepspeed.accelerator import get_accelerator
+        from transformers.integrations import HfDeepSpeedConfig
+
+        cfg.validate()
+        self.cfg, self.seq_len = cfg, verify_seq_len(cfg)
+        self.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
+        self.model_config.use_cache = False
+        self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
+                                   cfg.rope_original_max_positions)
+        accel = get_accelerator()
+        init_distributed(accel.communication_backend_name())
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        sp_size = cfg.sp_size or math.gcd(local_world_size(), self.world)
+        lengths = {"seq_len": cfg.seq_len, **({"verify_seq_len": self.seq_len} if cfg.verify else {})}
+        parallel = dims.validate(self.world, sp_size, *attention_heads(self.model_config), lengths, cfg.pad_to_sp)
+        self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
+        self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
+        self.dtype = torch.bfloat16 if use_bf16 else torch.float32
+        self.ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, parallel.dp_size, sp_size,
+                                    self.model_config.hidden_size, use_bf16, cfg.model is None)
+        self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
+        if cfg.skip_nonfinite and self.accum > 1:
+            raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
+
+        self.groups = SequenceParallelGroups(sp_size)
+        self.tokenizer, self.source = self._prepare_data()
+        self.attention = register_ulysses_attention(self.groups.sp_group, self.kernel)
+        # must outlive model construction: transformers reads it to build the model inside zero.Init
+        self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
+        self.module = CausalLMWithSPLoss(self._build_model())
+        self.engine = self._init_engine()
+        after_engine = restore_fp32_buffers(self.module, self.dtype)  # an engine that casts buffers is undone too
+        if after_engine.restored:
+            self.log(f"buffers after deepspeed.initialize: {after_engine.describe()}")
+        self.backward_scale = sp_backward_scale(self.ds, sp_size)
+        self.start_step = self._resume()
+        self.log(f"world {self.world} = dp {parallel.dp_size} x sp {sp_size} | kernel {self.kernel} | dtype "
+                 f"{self.dtype} | micro {self.micro} x accum {self.accum} | seq_len {self.seq_len} | "
+                 f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.module.parameters()) / 1e6:.1f}M params | "
+                 f"{self.model_config.num_hidden_layers} layers | {self.describe_levers()} | rope {self.rope} | "
+                 f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
+
+    # ---------------------------------------------------------------- building
+
+    def _build_model(self):
+        """The HF model with the levers the policy resolves for --seq_len, installed by model/surgery.py."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log)
+        request = LeverRequest.from_config(cfg)
+        device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device)
+        self.offload = HostOffload() if levers.offload_activations else None
+        self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
+                                                 cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
+        if self.levers.why:
+            self.log("levers: " + "; ".join(f"{lever} {reason}" for lever, reason in self.levers.why.items()))
+        return model
+
+    def _init_engine(self):
+        import deepspeed
+
+        cfg = self.cfg
+        optimizer = scheduler = None
+        if "optimizer" not in self.ds:
+            optimizer = torch.optim.AdamW(self.module.parameters(), lr=resolved_lr(self.ds, cfg, cfg.model is None),
+                                          betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
+                                          fused=self.device.type == "cuda")
+        if "scheduler" not in self.ds:
+            warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.steps // 10
+            factor = warmup_cosine(cfg.steps, warmup, cfg.min_lr_ratio)
+            scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
+        engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
+                                          self.module.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
+                                          config=self.ds, mpu=self.groups)
+        freed = share_master_weights(engine.optimizer) if self.levers.share_master else 0
+        if freed:
+            self.log(f"master weights share the model's partition: {freed / 2**30:.2f} GiB freed per rank")
+        return engine
+
+    def _resume(self) -> int:
+        self.resume_from = resolve_resume(self.cfg.resume, self.cfg.output_dir)
+        if not self.resume_from:
+            return 0
+        state = load_checkpoint(self.engine, self.resume_from, self.rank)
+        if state["dp_size"] != self.groups.dp_size or state["sp_size"] != self.groups.sp_size:
+            raise ConfigError(f"{self.resume_from} was saved with dp {state['dp_size']} x sp {state['sp_size']}; "
+                              f"resume with the same world size and --sp_size")
+        self.log(f"resumed from {self.resume_from} at step {state['step']}")
+        return state["step"]
+
+    def _prepare_data(self):
+        """Tokenizer and sample source. Rank 0 tokenizes and caches first; the others then read the cache. Rank 0's
+        outcome is broadcast, so a bad dataset stops every rank with its message instead of leaving them waiting."""
+        cfg = self.cfg
+        if not cfg.dataset:
+            tokenizer = None
+            if cfg.model:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            return tokenizer, SyntheticSource(self.model_config.vocab_size, self.seq_len, cfg.seed)
+        result = self._try_load_corpus() if self.rank == 0 else None
+        error = [result if isinstance(result, str) else None]  # only rank 0's error message crosses ranks
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise ConfigError(error[0])
+        if self.rank != 0:
+            result = self._try_load_corpus()  # reads what rank 0 cached
+        if isinstance(result, str):
+            raise ConfigError(result)
+        return result
+
+    def _try_load_corpus(self):
+        from ..data.corpus import corpus_samples, load_tokenizer
+
+        cfg = self.cfg
+        try:
+            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+            if len(tokenizer) > self.model_config.vocab_size:
+                raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the model's vocabulary is "
+                                  f"{self.model_config.vocab_size}: use a matching --tokenizer or --model_config")
+            samples, store = corpus_samples(cfg.dataset, cfg.dataset_split, cfg.text_column, tokenizer, self.seq_len,
+                                            cfg.data_cache_dir, cfg.streaming, cfg.num_proc, cfg.max_tokens,
+                                            cfg.last_sample == "pad")
+            self.log(f"data: {len(store.tokens):,} tokens in {len(store.doc_starts):,} documents -> {len(samples):,} "
+                     f"samples of {self.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, packing "
+                     f"{cfg.packing})")
+            return tokenizer, CorpusSource(samples, cfg.packing)
+        except ConfigError as e:
+            return str(e)
+
+    # ---------------------------------------------------------------- what the loop and --verify use
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def describe_levers(self) -> str:
+        lv, counts = self.levers, self.surgery.counts
+        fused = (f"{counts['RMSNorm'][0]} norms, {counts['rotary'][0]} rotary, {counts['SwiGLU'][0]} SwiGLU"
+                 if lv.fused_kernels else "off" + (f" ({lv.why['fused_kernels']})" if "fused_kernels" in lv.why
+                                                   and lv.why["fused_kernels"].startswith("auto: off,") else ""))
+        norms = counts.get("RMSNorm", (0, 0))[0] if lv.lean_norm or lv.fused_kernels else 0
+        return (f"loss {lv.loss} | checkpointing {lv.checkpointing} (attention kept: {lv.keep_attention}, offload: "
+                f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
+                f"{fused}")
+
+    def describe_setup(self) -> str:
+        """One line naming what makes this run's numbers: parallel sizes, ZeRO stage, kernel and levers."""
+        zero = self.ds["zero_optimization"].get("stage", 0)
+        return (f"ZeRO-{zero}, sp {self.groups.sp_size} x dp {self.groups.dp_size}, kernel {self.kernel}, "
+                f"{self.describe_levers().replace(' | ', ', ')}")
+
+    def micro_batch(self, step: int, micro_step: int, dp_rank: Optional[int] = None) -> dict:
+        """This SP group's whole sequences for one micro-step (the same on every rank of the group); or those of
+        the SP groups of another `dp_rank`."""
+        g = self.groups
+        dp_rank = g.dp_rank if dp_rank is None else dp_rank
+        rows = []
+        for r in range(self.micro):
+            index = global_sample_index(step, micro_step, self.accum, dp_rank, g.dp_size, self.micro, r)
+            rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
+        return build_batch(rows, self.cfg.packing)
+
+    def save(self, step: int) -> str:
+        state = {"step": step, "data_position": step * self.accum * self.groups.dp_size * self.micro,
+                 "seed": self.cfg.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
+                 "config": self.cfg.to_dict()}
+        path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
+                               self.rank, self.cfg.save_total_limit)
+        self.log(f"saved checkpoint {path}")
+        return path

@@ -1,0 +1,299 @@
+"""`--verify`: is this run exact? One step of the run as configured, against plain transformers.
+
+The trainer is built exactly as the flags say (SP and DP sizes, ZeRO stage, every lever, the attention kernel, the
+dtype, `--model` or a preset), runs the forward and backward of its first step at `--verify_seq_len` tokens and
+stops before the optimizer step. Rank 0 then gathers the engine's weights and the gradient of every parameter and
+runs a single-process reference on the same weights and tokens: plain transformers (`AutoModelForCausalLM`,
+SDPA attention, its own loss, none of our levers), once in fp32 and once in the run's dtype.
+
+Why the run's dtype matters: bf16 is never equal to fp32, so a fixed tolerance either hides a real fault (the
+bf16 rotary frequencies once cost 25 times transformers' own bf16 error) or fails runs that are as exact as bf16
+allows. The question is whether we are as close to fp32 as transformers itself is in bf16: each error of ours,
+measured against the fp32 reference, must be at most twice transformers' bf16 error of the same kind, and is never
+held below `BF16_FLOOR` (a scalar such as the loss can land near the truth by chance). An fp32 run must agree with
+the fp32 reference to `FP32_LIMIT`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .loop import forward_backward
+
+BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
+FP32_LIMIT = 1e-4  # relative: reduction order, chunked loss and partitioned gradients in fp32
+STATS = ("loss", "grad_norm", "grad_median", "grad_max")
+LABELS = {"loss": "loss", "grad_norm": "grad norm", "grad_median": "per-tensor grad, median",
+          "grad_max": "per-tensor grad, max"}
+
+
+@dataclass
+class Errors:
+    """Relative errors of one run against the fp32 reference."""
+
+    loss: float
+    grad_norm: float
+    grad_median: float
+    grad_max: float
+    worst_tensor: str
+
+
+def grad_norm(grads: dict) -> float:
+    return math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
+
+
+def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> Errors:
+    per_tensor = {}
+    for name, ref in ref_grads.items():
+        norm = ref.norm().item()
+        if norm > 0:
+            per_tensor[name] = (grads[name] - ref).norm().item() / norm
+    norm, ref_norm = grad_norm(grads), grad_norm(ref_grads)
+    worst = max(per_tensor, key=per_tensor.get)
+    return Errors(abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / ref_norm,
+                  statistics.median(per_tensor.values()), per_tensor[worst], worst)
+
+
+def limits(dtype: torch.dtype, transformers_errors: Optional[Errors]) -> dict:
+    if dtype == torch.float32 or transformers_errors is None:
+        return {k: FP32_LIMIT for k in STATS}
+    return {k: 2 * max(getattr(transformers_errors, k), BF16_FLOOR) for k in STATS}
+
+
+# ---------------------------------------------------------------- the reference
+
+
+@contextlib.contextmanager
+def _without_zero3():
+    """transformers builds inside `zero.Init` while an HfDeepSpeedConfig for ZeRO-3 lives; the reference must not."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+REFERENCE_FP32_ATTENTION = "sdpa_all_heads"
+
+
+def _sdpa_all_heads(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention (its `sdpa_attention_forward`) with the KV heads copied to every query head, as
+    transformers itself does whenever a mask is given. Why: for grouped KV heads transformers asks SDPA for
+    `enable_gqa`, which in fp32 on CUDA no fused kernel takes, so PyTorch falls back to the math kernel that holds
+    every (s x s) score: 137 GB at 32k tokens for 32 heads. The fp32 reference uses this; the reference in the run's
+    dtype uses transformers' "sdpa" as it is."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_reference_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(REFERENCE_FP32_ATTENTION, _sdpa_all_heads)
+    AttentionMaskInterface.register(REFERENCE_FP32_ATTENTION, sdpa_mask)
+
+
+def _no_init_weights():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older transformers: initialise, only slower
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
+def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
+                   device: torch.device) -> tuple[float, dict, dict]:
+    """Plain transformers on `weights`: the mean over `batches` of each batch's mean token loss, the gradient of
+    that mean (fp32, CPU) and the model's own buffers. Gradient checkpointing bounds the memory; it recomputes the
+    same ops."""
+    from transformers import AutoModelForCausalLM
+
+    # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
+    # alone); the buffers are computed in __init__ exactly as with it
+    attention = "sdpa"
+    if dtype == torch.float32:
+        _register_reference_attention()
+        attention = REFERENCE_FP32_ATTENTION
+    with _without_zero3(), _no_init_weights():
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
+                                                 attn_implementation=attention)
+    model.tie_weights()  # part of the initialisation skipped above
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if model_config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"--verify: the engine's weights do not fit a plain {type(model).__name__}: missing "
+                           f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    model.to(device).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    total = 0.0
+    for batch in batches:
+        out = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                    labels=batch["labels"].to(device), use_cache=False)
+        (out.loss / len(batches)).backward()
+        total += out.loss.item() / len(batches)
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return total, grads, buffers
+
+
+def buffer_mismatches(ours: dict, theirs: dict) -> list[str]:
+    """Buffers of ours that differ in dtype or value from plain transformers' (e.g. rotary frequencies rounded to
+    bf16): exact, so no rounding noise can hide them."""
+    bad = []
+    for name, want in theirs.items():
+        got = ours.get(name)
+        if got is None:
+            bad.append(f"{name} (missing)")
+        elif got.dtype != want.dtype or not torch.equal(got, want):
+            bad.append(f"{name} ({str(got.dtype).removeprefix('torch.')}, plain transformers: "
+                       f"{str(want.dtype).removeprefix('torch.')}{'' if got.dtype != want.dtype else ', values differ'})")
+    return bad
+
+
+# ---------------------------------------------------------------- our side
+
+
+def _gather_weights(engine, rank: int) -> dict:
+    """Every parameter of the engine's model in its own dtype, on rank 0's CPU (collective under ZeRO-3)."""
+    import deepspeed
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            if rank == 0:
+                out[name.removeprefix("model.")] = param.data.detach().cpu().clone()
+    return out
+
+
+def _gather_grads(engine, rank: int) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        grad = safe_get_full_grad(param)
+        if rank == 0:
+            out[name.removeprefix("model.")] = (grad.detach().float().cpu() if grad is not None
+                                                else torch.zeros(param.ds_shape if hasattr(param, "ds_shape")
+                                                                 else param.shape))
+    return out
+
+
+def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
+    """The engine's forward and backward of step `step + 1`, every micro-step of it, without the optimizer step.
+    Returns the loss (mean over micro-steps and DP ranks, as the training loop logs it), the weights, buffers and
+    gradients on rank 0, and the whole batches of every DP rank (rank 0 runs the reference on all of them)."""
+    g, rank = trainer.groups, trainer.rank
+    weights = _gather_weights(trainer.engine, rank)
+    buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
+    loss_sum = torch.zeros((), device=trainer.device)
+    for micro_step in range(trainer.accum):
+        loss, _, skipped = forward_backward(trainer, trainer.micro_batch(step, micro_step), step + 1)
+        if skipped:
+            raise RuntimeError("--verify: the loss is not finite")
+        if micro_step < trainer.accum - 1:
+            trainer.engine.step()  # only advances the accumulation counter: this is not a boundary
+        loss_sum += loss
+    if g.dp_size > 1:
+        dist.all_reduce(loss_sum, group=g.dp_group)
+    loss = loss_sum.item() / (trainer.accum * g.dp_size)
+    grads = _gather_grads(trainer.engine, rank)
+    batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
+    return loss, weights, buffers, grads, batches
+
+
+# ---------------------------------------------------------------- report
+
+
+def _row(name: str, ours: float, theirs: Optional[float], limit: float) -> str:
+    theirs_text = f"{theirs:>14.2e}" if theirs is not None else f"{'-':>14}"
+    verdict = "ok" if ours <= limit else "FAIL"
+    return f"  {name:<26}{ours:>12.2e}{theirs_text}{limit:>12.2e}  {verdict}"
+
+
+def format_report(result: dict) -> str:
+    ours, theirs, lim = result["ours"], result.get("transformers"), result["limits"]
+    lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s), "
+             f"{result['dtype']}, {result['setup']}",
+             f"  reference: plain transformers {result['transformers_version']}, SDPA, same weights and tokens; "
+             f"fp32 loss {result['reference_loss']:.6f}, ours {result['loss']:.6f}",
+             f"  {'error vs fp32':<26}{'ours':>12}{'transformers':>14}{'limit':>12}"]
+    for key in STATS:
+        lines.append(_row(LABELS[key], ours[key], theirs[key] if theirs else None, lim[key]))
+    lines.append(f"  worst tensor (ours): {ours['worst_tensor']}")
+    bad = result["buffer_mismatches"]
+    lines.append(f"  buffers: {result['buffers']} compared with plain transformers', "
+                 + (f"{len(bad)} differ: {', '.join(bad)}" if bad else "all equal"))
+    lines.append(f"  took {result['seconds']['ours']:.1f} s (our step, gathers) + {result['seconds']['reference']:.1f} s "
+                 f"(reference{'s' if theirs else ''})")
+    lines.append(f"verdict: {'PASS' if result['passed'] else 'FAIL'}" + (
+        "" if result["passed"] else f" ({', '.join(result['failed'])} over the limit; see docs/verify.md)"))
+    return "\n".join(lines)
+
+
+def verify(trainer) -> int:
+    """Runs the check (collective), prints the table on rank 0; returns the exit code: 0 within tolerance, 1 outside
+    it."""
+    return 0 if run_verify(trainer)["passed"] else 1
+
+
+def run_verify(trainer) -> dict:
+    """Runs the check (collective); every rank returns the result that rank 0 printed and wrote to verify.json."""
+    import transformers
+
+    cfg, rank = trainer.cfg, trainer.rank
+    start = time.perf_counter()
+    loss, weights, buffers, grads, batches = our_step(trainer, trainer.start_step)
+    ours_s = time.perf_counter() - start
+    shared = [None]
+    if rank == 0:
+        ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, torch.float32,
+                                                          trainer.device)
+        ours = relative_errors(loss, grads, ref_loss, ref_grads)
+        theirs = None
+        if trainer.dtype != torch.float32:
+            t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, trainer.dtype,
+                                                          trainer.device)
+            theirs = relative_errors(t_loss, t_grads, ref_loss, ref_grads)
+        lim = limits(trainer.dtype, theirs)
+        failed = [LABELS[k] for k in STATS if not getattr(ours, k) <= lim[k]]
+        bad_buffers = buffer_mismatches(buffers, ref_buffers)
+        failed += ["buffers"] if bad_buffers else []
+        result = {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
+                  "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
+                  "transformers_version": transformers.__version__, "loss": loss, "reference_loss": ref_loss,
+                  "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),
+                  "ours": asdict(ours), "transformers": asdict(theirs) if theirs else None, "limits": lim,
+                  "buffers": len(ref_buffers), "buffer_mismatches": bad_buffers,
+                  "seconds": {"ours": ours_s, "reference": time.perf_counter() - start - ours_s},
+                  "failed": failed, "passed": not failed}
+        print(format_report(result), flush=True)
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "verify.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        shared = [result]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
