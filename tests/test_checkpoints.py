@@ -106,9 +106,9 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
 
 
 def test_injected_failure_on_one_rank_ends_all_ranks(tmp_path):
-    proc = launch(tmp_path, fault="raise:2:1", expect_rc=1)
+    proc = launch(tmp_path, fault="raise:2:1", expect_rc=3)
     text = proc.stdout + proc.stderr
-    assert "[rank 1] failed" in text and "injected failure on rank 1 at step 2" in text
+    assert "error: rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in text
 
 
 def test_nan_loss_stops_naming_the_step_or_is_skipped(tmp_path):

@@ -34,10 +34,17 @@ GRID = [(sp, zero, loss) for sp in (1, 2, 4) for zero in ("zero2", "zero3") for 
 
 
 def test_verify_passes_for_sp_zero_stage_and_loss(tmp_path):
-    settings = [["--sp_size", str(sp), "--ds_config", os.path.join(DS, f"{zero}.json"), "--loss", loss,
-                 "--verify_seq_len", "128"] for sp, zero, loss in GRID]
+    """And ZeRO-0 (no partitioning: DeepSpeed's own all-reduce and gradient clipping over our groups) at SP=2."""
+    zero0 = tmp_path / "zero0.json"
+    zero0.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                 "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                                 "zero_optimization": {"stage": 0}}))
+    grid = GRID + [(2, "zero0", "fused")]
+    configs = {"zero0": str(zero0), "zero2": os.path.join(DS, "zero2.json"), "zero3": os.path.join(DS, "zero3.json")}
+    settings = [["--sp_size", str(sp), "--ds_config", configs[zero], "--loss", loss, "--verify_seq_len", "128"]
+                for sp, zero, loss in grid]
     results = run_distributed(_check, 4, settings, str(tmp_path), use_deepspeed=True)[0]
-    for (sp, zero, loss), result in zip(GRID, results):
+    for (sp, zero, loss), result in zip(grid, results):
         assert result["passed"], (sp, zero, loss, result)
         assert f"sp {sp} x dp {4 // sp}" in result["setup"] and f"ZeRO-{zero[-1]}" in result["setup"]
         assert result["sequences"] == 4 // sp  # every DP rank's sequence is in the reference

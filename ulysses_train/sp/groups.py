@@ -58,6 +58,12 @@ class SequenceParallelGroups:
             if rank in ranks:
                 self.dp_group = group
         self.world_group = dist.new_group(list(range(world)))
+        # no tensor or pipeline parallelism: a model-parallel group of one rank each (DeepSpeed's gradient clipping
+        # outside ZeRO reduces the norm over it)
+        for other in range(world):
+            group = dist.new_group([other])
+            if other == rank:
+                self.model_parallel_group = group
 
     # ---- our own accessors ----
     @property
@@ -106,6 +112,9 @@ class SequenceParallelGroups:
 
     def get_model_parallel_rank(self) -> int:
         return 0
+
+    def get_model_parallel_group(self):
+        return self.model_parallel_group
 
 
 def local_world_size() -> int:

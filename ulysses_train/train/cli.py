@@ -1,6 +1,16 @@
 """`launch/train.py`: parse the flags, build the run, train it (or `--verify` it), and exit with a code that says
-how it ended: 0 done, 1 an unexpected error (that rank's traceback), 2 a setting to change, 3 a non-finite loss or
-a checkpoint that could not be written."""
+how it ended, with one message, once:
+
+    0  done (or stopped by SIGTERM / the launcher going away, after saving)
+    1  --verify outside tolerance
+    2  a setting, path or data to change (ConfigError), printed by rank 0
+    3  anything else: a non-finite loss, a checkpoint that could not be written, a frozen rank, an unexpected error
+       (named with its rank; the traceback goes to <output_dir>/errors/rank_N.txt, and to the terminal with --debug)
+  130  Ctrl-C before training started, or a second Ctrl-C
+
+A rank that fails only because a peer stopped talking to it (gloo's "Connection closed by peer", NCCL's remote
+errors) stays quiet: the peer that failed first has said why, and that message stays the last word.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +23,14 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from .checkpoint import CheckpointError
 from .config import parse_args
-from .faults import NonFiniteError
+from .faults import Interrupted, NonFiniteError
 from .launcher import exit_now, normalise_launcher_env
 from .loop import train
 from .trainer import Trainer
+
+# what a rank sees when another rank died or left first: the other rank's own message says why
+PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+                      "NCCL communicator was aborted", "Socket closed", "Connection refused")
 
 
 def _quiet_libraries() -> None:
@@ -41,12 +55,32 @@ def _run(cfg, explicit: set[str], rank: int) -> int:
                   f"metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
         code = 0
     dist.barrier()  # no rank leaves while another still talks to it
+    if trainer.lock is not None:
+        trainer.lock.release()
     return code
 
 
+def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
+    text = traceback.format_exc()
+    if any(t in str(error) for t in PEER_FAILURE_TEXTS):  # not the cause: a peer's message says what happened
+        if cfg.debug:
+            print(f"[rank {rank}] stopped: a peer rank went away\n{text}", file=sys.stderr, flush=True)
+        return
+    where = os.path.join(cfg.output_dir, "errors", f"rank_{rank}.txt")
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        with open(where, "w") as f:
+            f.write(text)
+    except OSError:
+        where = None
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    detail = text if cfg.debug else (f"(traceback in {where}; --debug prints it)" if where else "(--debug prints "
+                                                                                               "the traceback)")
+    print(f"error: rank {rank} failed: {type(error).__name__}: {first} {detail}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
-    """Runs the trainer; never returns (exits with 0, 2 for settings, 3 for non-finite/checkpoint errors, 1 else;
-    --verify: 0 within tolerance, 1 outside it)."""
+    """Runs the trainer; never returns (see the exit codes above)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     _quiet_libraries()
     cfg, explicit = parse_args(argv)
@@ -63,8 +97,12 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 3
-    except BaseException:
+    except Interrupted as e:
+        if rank == 0:
+            print(f"stopped: {e.signal_name} (nothing to save)", file=sys.stderr, flush=True)
+        code = 130 if e.signal_name == "SIGINT" else 0
+    except BaseException as e:
         # do not wait in collectives on the other ranks: the launcher tears them down
-        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code = 1
+        _report_unexpected(e, rank, cfg)
+        code = 3
     exit_now(code)

@@ -132,6 +132,11 @@ class TrainConfig:
                              "and tokens, in fp32 and in the run's dtype. Prints a table and the verdict; exit code "
                              "0 within tolerance, 1 outside it (README: \"Is my run exact?\").")
     verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).")
+    dist_timeout: float = _f(600.0, "Seconds a rank may go without a heartbeat before it is named frozen and every "
+                                    "rank stops with exit code 3 (the heartbeat runs beside the training loop, so "
+                                    "long steps never trip it; see train/watchdog.py).")
+    debug: bool = _f(False, "Print full tracebacks of unexpected errors (they always go to "
+                            "<output_dir>/errors/rank_N.txt).")
     profile_memory: int = _f(0, "Record memory for the first N steps: <output_dir>/memory/memory.png (stacked by "
                                 "category), memory.json and, on CUDA, PyTorch's snapshot.pickle. Slows those steps.")
 
@@ -149,6 +154,8 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be positive, got {value}")
         if self.profile_memory < 0 or self.profile_memory > self.steps:
             raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
+        if not self.dist_timeout > 0:
+            raise ConfigError(f"--dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         if self.streaming and not self.dataset:

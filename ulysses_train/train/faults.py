@@ -1,8 +1,10 @@
-"""Stopping well: preemption (SIGTERM), non-finite losses, and fault injection for the tests.
+"""Stopping well: preemption (SIGTERM), Ctrl-C, non-finite losses, and fault injection for the tests.
 
-SIGTERM (what SLURM sends before preempting or at the time limit) only sets a flag; the trainer checks it after
-each optimizer step, agrees across ranks (any rank signalled -> all stop), saves a checkpoint and exits 0, so a
-requeued job resumes with `--resume auto`.
+SIGTERM (what SLURM sends before preempting or at the time limit), the first Ctrl-C, and the watchdog's "the
+launcher was stopped" only set a flag once training has started; the loop checks it after each optimizer step,
+agrees across ranks (any rank signalled -> all stop), saves a checkpoint and exits 0, so a requeued job resumes
+with `--resume auto`. A second Ctrl-C stops at once. Before training starts there is nothing to save: the signal
+interrupts the start-up (`Interrupted`).
 
 `ULYSSES_TRAIN_FAULT` injects a fault, for tests and drills only: `raise:STEP:RANK` raises on one rank at the
 start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs rank 0 at the start of a step,
@@ -25,14 +27,35 @@ class NonFiniteError(RuntimeError):
     """A NaN/inf loss or gradient; the message names the step."""
 
 
-class StopFlag:
-    def __init__(self):
-        self.requested = False
-        self.signal_name = None
-        signal.signal(signal.SIGTERM, self._handle)
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C before training started, or a second Ctrl-C: stop now, nothing to save."""
 
-    def _handle(self, signum, frame):
-        self.requested, self.signal_name = True, signal.Signals(signum).name
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+class StopFlag:
+    """SIGTERM and SIGINT handlers, and the flag they set. `armed` once the training loop runs."""
+
+    def __init__(self):
+        self.requested, self.reason, self.armed = False, None, False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.armed or (signum == signal.SIGINT and self.requested):
+            raise Interrupted(name)
+        if not self.requested and os.environ.get("RANK", "0") == "0":
+            again = "; Ctrl-C again stops at once" if signum == signal.SIGINT else ""
+            os.write(2, f"{name}: finishing the current step and saving{again}\n".encode())
+        self.request(f"{name} received")
+
+    def request(self, reason: str) -> None:
+        """Stop after the current step and save (also from the watchdog's thread)."""
+        if not self.requested:
+            self.requested, self.reason = True, reason
 
     def agreed(self, device) -> bool:
         """Collective: True on every rank if any rank was signalled."""

@@ -33,7 +33,14 @@ def free_port() -> int:
 
 
 def normalise_launcher_env(environ=os.environ) -> str:
-    """Fills the torch.distributed variables in place; returns the name of the launcher detected."""
+    """Fills the torch.distributed variables in place; returns the name of the launcher detected, also left in
+    ULYSSES_TRAIN_LAUNCHER (the watchdog does not watch the parent of a process the user started by hand)."""
+    name = _normalise(environ)
+    environ["ULYSSES_TRAIN_LAUNCHER"] = name
+    return name
+
+
+def _normalise(environ) -> str:
     if "RANK" in environ and "WORLD_SIZE" in environ:
         environ.setdefault("LOCAL_RANK", "0")
         return "torch-style (deepspeed / torchrun / accelerate)"

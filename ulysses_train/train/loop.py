@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..levers.loss import global_token_count
 from ..sp.sharding import shard_sequence
-from .faults import StopFlag, check_grad_norm, inject_at_step, loss_is_skipped
+from .faults import check_grad_norm, inject_at_step, loss_is_skipped
 from .memory_profile import ProfileFirstSteps
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 
@@ -68,8 +68,10 @@ def train_step(run, step: int) -> dict:
 
 def train(run) -> list[dict]:
     """Steps from the one after the resumed checkpoint to --steps; saves every --save_steps and on SIGTERM."""
-    cfg, history = run.cfg, []
-    stop = StopFlag()
+    cfg, history, stop = run.cfg, [], run.stop
+    stop.armed = True
+    if stop.agreed(run.device):  # stopped while starting up (the launcher went away): nothing trained, nothing to save
+        return history
     with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, cfg.tensorboard, cfg.log_every,
                        run.start_step) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
         for step in range(run.start_step + 1, cfg.steps + 1):
@@ -88,7 +90,7 @@ def train(run) -> list[dict]:
             if stop.agreed(run.device):
                 if not saved:
                     run.save(step)
-                logger.write(f"{stop.signal_name or 'SIGTERM'} received: saved step {step}, exiting; relaunch with "
+                logger.write(f"{stop.reason}: saved step {step}, exiting; relaunch with "
                              f"--resume auto to continue")
                 break
     return history

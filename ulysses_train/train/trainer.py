@@ -36,6 +36,10 @@ from ..sp.kernels import resolve_kernel
 from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
+from .faults import StopFlag
+from .launcher import exit_now
+from .run_lock import RunLock
+from .watchdog import Watchdog
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -45,6 +49,18 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
+
+
+def _init_distributed(backend: str) -> None:
+    """init_distributed, with a busy rendezvous port (another run on this host) as a setting to change."""
+    try:
+        init_distributed(backend)
+    except Exception as e:  # torch's DistNetworkError, or a RuntimeError from older releases
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        raise ConfigError(f"the rendezvous port {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} is "
+                          f"in use (another run on this host?): give the launcher another port (deepspeed "
+                          f"--master_port N, torchrun --master_port N) or set MASTER_PORT") from None
 
 
 def verify_seq_len(cfg: TrainConfig) -> int:
@@ -75,8 +91,11 @@ class Trainer:
         self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
                                    cfg.rope_original_max_positions)
         accel = get_accelerator()
-        init_distributed(accel.communication_backend_name())
+        _init_distributed(accel.communication_backend_name())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.stop = StopFlag()
+        self.lock = self._lock_output_dir()
+        self.watchdog = Watchdog(self.rank, self.world, cfg.dist_timeout, self.stop.request, exit_now).start()
         sp_size = cfg.sp_size or math.gcd(local_world_size(), self.world)
         lengths = {"seq_len": cfg.seq_len, **({"verify_seq_len": self.seq_len} if cfg.verify else {})}
         parallel = dims.validate(self.world, sp_size, *attention_heads(self.model_config), lengths, cfg.pad_to_sp)
@@ -148,6 +167,22 @@ class Trainer:
         if freed:
             self.log(f"master weights share the model's partition: {freed / 2**30:.2f} GiB freed per rank")
         return engine
+
+    def _lock_output_dir(self) -> Optional[RunLock]:
+        """Rank 0 holds the output folder's lock; its outcome is broadcast, so a folder in use stops every rank."""
+        lock, outcome = None, [None, None]  # (error, note)
+        if self.rank == 0:
+            lock = RunLock(self.cfg.output_dir)
+            try:
+                outcome[1] = lock.acquire()
+            except ConfigError as e:
+                outcome[0] = str(e)
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0]:
+            raise ConfigError(outcome[0])
+        if outcome[1]:
+            self.log(f"warning: {outcome[1]}")
+        return lock
 
     def _resume(self) -> int:
         self.resume_from = resolve_resume(self.cfg.resume, self.cfg.output_dir)

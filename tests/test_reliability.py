@@ -1,0 +1,135 @@
+"""Nothing silent, nothing hangs: one run per output folder, one message per failure, a frozen rank named, Ctrl-C
+and a killed launcher saving like SIGTERM, a busy port named.
+
+Ranks are started as plain processes with the launcher's variables (as tests/test_failures.py does) where a
+launcher would hide what the ranks do; the 10-minute guard is a hang detector, not a speed requirement."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tests.test_train_e2e import ROOT, TRAIN, _env, _port, deepspeed_launcher
+
+HANG_GUARD_S = 600
+COMMON = ["--seq_len", "64", "--lr", "3e-3"]
+
+
+def start_ranks(world: int, args: list, env: dict = None) -> list[subprocess.Popen]:
+    port = str(_port())
+    return [subprocess.Popen([sys.executable, TRAIN] + COMMON + args, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=_env() | (env or {}) | dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            for r in range(world)]
+
+
+def wait_for_steps(out, n: int, procs) -> None:
+    path = out / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+        time.sleep(0.2)
+
+
+def finish(procs) -> list[tuple[int, str]]:
+    texts = ["".join(p.communicate(timeout=HANG_GUARD_S)) for p in procs]
+    return [(p.returncode, text) for p, text in zip(procs, texts)]
+
+
+def test_one_run_per_output_folder(tmp_path):
+    """A live run's lock stops a second run before any work, naming the holder; a lock left by a process that
+    died is taken over with a warning."""
+    from ulysses_train.train.run_lock import RunLock
+
+    out = tmp_path / "run"
+    holder = RunLock(str(out))
+    holder.acquire()  # this test process plays the live run
+    proc = subprocess.run([sys.executable, TRAIN, "--steps", "1", "--output_dir", str(out)] + COMMON, cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"is in use by another run (pid {os.getpid()} on {socket.gethostname()}" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (out / "metrics.jsonl").exists()
+    os.close(holder.fd)  # the holder dies without cleaning up: its holder file stays, the kernel drops the lock
+    proc = subprocess.run([sys.executable, TRAIN, "--steps", "1", "--output_dir", str(out)] + COMMON, cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"warning: took over {out / '.lock'} from a run that did not end cleanly (pid {os.getpid()}" in proc.stdout
+
+
+def test_an_unexpected_error_is_one_line_naming_the_rank(tmp_path):
+    """rank 1 raises at step 2: one line names it and its error, the traceback goes to a file (and to the terminal
+    with --debug), rank 0's "connection closed" stays quiet, every rank exits 3."""
+    results = finish(start_ranks(2, ["--steps", "4", "--output_dir", str(tmp_path)],
+                                 env={"ULYSSES_TRAIN_FAULT": "raise:2:1"}))
+    assert [code for code, _ in results] == [3, 3], results
+    rank1 = results[1][1]
+    assert "error: rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in rank1
+    assert "Traceback" not in rank1 and "Traceback" not in results[0][1]
+    assert "Connection closed" not in results[0][1] and "error:" not in results[0][1]
+    assert "injected failure on rank 1" in (tmp_path / "errors" / "rank_1.txt").read_text()
+
+
+def test_a_frozen_rank_is_named_and_every_rank_stops(tmp_path):
+    """SIGSTOP on rank 1 mid-run: rank 0 names it within --dist_timeout and exits 3 (no 30-minute hang)."""
+    procs = start_ranks(2, ["--steps", "100000", "--dist_timeout", "5", "--output_dir", str(tmp_path)])
+    wait_for_steps(tmp_path, 2, procs)
+    procs[1].send_signal(signal.SIGSTOP)
+    code, text = procs[0].wait(timeout=HANG_GUARD_S), procs[0].communicate()[1]
+    procs[1].kill()
+    procs[1].communicate()
+    assert code == 3, text[-2000:]
+    assert "rank 1 has not answered for 5 s" in text and "--dist_timeout" in text
+
+
+def test_ctrl_c_saves_like_sigterm_and_a_second_one_stops_at_once(tmp_path):
+    procs = start_ranks(2, ["--steps", "100000", "--output_dir", str(tmp_path / "once")])
+    wait_for_steps(tmp_path / "once", 2, procs)
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    results = finish(procs)
+    assert [code for code, _ in results] == [0, 0], results
+    text = results[0][1]
+    assert "SIGINT: finishing the current step and saving; Ctrl-C again stops at once" in text
+    assert "SIGINT received: saved step" in text and "Traceback" not in text + results[1][1]
+    assert (tmp_path / "once" / "checkpoints" / "latest").exists()
+
+    procs = start_ranks(2, ["--steps", "100000", "--seq_len", "1024", "--output_dir", str(tmp_path / "twice")])
+    wait_for_steps(tmp_path / "twice", 2, procs)
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    seen = ""
+    while "Ctrl-C again stops at once" not in seen:  # the first one was handled: now the second
+        seen += procs[0].stderr.readline()
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    results = finish(procs)
+    assert results[0][0] == 130 and all(code in (130, 3) for code, _ in results), results
+    assert "stopped: SIGINT (nothing to save)" in results[0][1] and "Traceback" not in results[0][1]
+
+
+def test_killing_the_deepspeed_command_stops_and_saves(tmp_path):
+    """`kill <pid>` of the `deepspeed` command the user started: its launch.py and the ranks would train on,
+    orphaned; the ranks notice, save after the current step and exit 0."""
+    proc = subprocess.Popen(deepspeed_launcher(2) + [TRAIN, "--steps", "100000", "--dist_timeout", "20",
+                                                    "--output_dir", str(tmp_path)] + COMMON,
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    wait_for_steps(tmp_path, 2, [proc])
+    proc.send_signal(signal.SIGTERM)  # the deepspeed command only
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)  # ends when launch.py and the ranks have closed the pipe
+    assert "the launcher was stopped: saved step" in out, out[-3000:]
+    assert (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_a_busy_port_names_the_flag(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        env = _env() | dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(busy.getsockname()[1]))
+        proc = subprocess.run([sys.executable, TRAIN, "--steps", "1", "--output_dir", str(tmp_path)] + COMMON,
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is in use (another run on this host?)" in proc.stderr and "--master_port" in proc.stderr
