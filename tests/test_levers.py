@@ -111,9 +111,9 @@ def test_levers_do_not_change_loss_or_gradients(sp):
                                                      "kernels on CPU")
 @pytest.mark.parametrize("sp", [1, 2])
 def test_fused_kernels_with_every_lever_do_not_change_loss_or_gradients(sp):
-    """Our Triton RMSNorm, rotary and SwiGLU (ulysses_train/fused_kernels.py) inside checkpointed layers that keep and
-    offload their attention outputs, with tiled MLP and the fused loss: the same loss and gradients as the plain
-    model, and the attention kernel still runs once per layer."""
+    """Our Triton RMSNorm, rotary and SwiGLU (ulysses_train/levers/fused_kernels.py) inside checkpointed layers that
+    keep and offload their attention outputs, with tiled MLP and the fused loss: the same loss and gradients as the
+    plain model, and the attention kernel still runs once per layer."""
     base_loss, base_grads, _, _ = _run(sp, False, "plain", False)
     layers = tiny_config("qwen3").num_hidden_layers
     loss, grads, calls, _ = _run(sp, True, "fused", True, True, True, "fused")
@@ -166,7 +166,7 @@ def test_pinned_pool_buffers_are_exact_and_reused_each_step():
 
 @pytest.mark.parametrize("sp", [1, 2])
 def test_fa4_op_outputs_are_kept_offloaded_and_exact(sp):
-    """FlashAttention-4 runs through our registered ops (ulysses_train/fa4_op.py) so that selective checkpointing
+    """FlashAttention-4 runs through our registered ops (ulysses_train/sp/fa4_op.py) so that selective checkpointing
     keeps its outputs: with kept attention the op runs once per layer, the kept outputs go to the host with the
     offload, and loss and gradients equal SDPA's without checkpointing. The kernels themselves are swapped for an
     exact reference here (no GPU); tests/test_gpu.py runs the real ones."""

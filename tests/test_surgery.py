@@ -69,6 +69,8 @@ def test_a_norm_that_stops_matching_is_an_error_when_asked_for_and_off_under_aut
     levers, report = _apply(_model("qwen3"), lean_only, LeverRequest(lean_norm="auto", fused_kernels="off"))
     assert report.counts["RMSNorm"] == (0, 9) and not levers.lean_norm
     assert levers.why["lean_norm"].startswith("auto: off")
+    with pytest.raises(ConfigError, match="--lean_norm: no module"):  # asked for: whatever else the fused kernels patch
+        _apply(_model("qwen3"), ALL_ON, LeverRequest(lean_norm="on", fused_kernels="auto"))
 
 
 def test_the_rotary_patch_changes_nothing_global():

@@ -39,15 +39,17 @@ def test_verify_passes_for_sp_zero_stage_and_loss(tmp_path):
     zero0.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                                  "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
                                  "zero_optimization": {"stage": 0}}))
-    grid = GRID + [(2, "zero0", "fused")]
+    grid = GRID + [(2, "zero0", "fused"), (2, "zero3", "fused")]
     configs = {"zero0": str(zero0), "zero2": os.path.join(DS, "zero2.json"), "zero3": os.path.join(DS, "zero3.json")}
     settings = [["--sp_size", str(sp), "--ds_config", configs[zero], "--loss", loss, "--verify_seq_len", "128"]
                 for sp, zero, loss in grid]
+    settings[-1] += ["--grad_accum", "2"]  # two micro-steps: the reference averages all four sequences
     results = run_distributed(_check, 4, settings, str(tmp_path), use_deepspeed=True)[0]
-    for (sp, zero, loss), result in zip(grid, results):
+    for (sp, zero, loss), argv, result in zip(grid, settings, results):
         assert result["passed"], (sp, zero, loss, result)
         assert f"sp {sp} x dp {4 // sp}" in result["setup"] and f"ZeRO-{zero[-1]}" in result["setup"]
-        assert result["sequences"] == 4 // sp  # every DP rank's sequence is in the reference
+        accum = 2 if "--grad_accum" in argv else 1
+        assert result["sequences"] == 4 // sp * accum  # every DP rank's and micro-step's sequence is in the reference
         assert result["ours"]["loss"] < 1e-5 and result["ours"]["grad_max"] < 1e-5  # fp32 on CPU: rounding only
 
 

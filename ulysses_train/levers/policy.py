@@ -92,6 +92,8 @@ class Levers:
         if self.offload_activations:
             flags.append("--offload_activations")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
+        if not self.fused_kernels:
+            flags.append("--fused_kernels off")
         if ds_config:
             flags.append(f"--ds_config {ds_config}")
         elif self.offload_optimizer:

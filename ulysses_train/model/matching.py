@@ -15,6 +15,7 @@ this package and must also run on the CPU under Triton's interpreter in the test
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import types
@@ -51,21 +52,31 @@ def _norm_forward_matches(forward: Callable) -> bool:
     return True
 
 
-def computes_swiglu(cls: type, act_type: type) -> bool:
-    """`cls.forward`, with an activation of type `act_type`, is down(silu(gate(x)) * up(x))."""
-    return _mlp_forward_matches(cls.forward, act_type)
+def computes_swiglu(cls: type, act: Optional[torch.nn.Module]) -> bool:
+    """`cls.forward`, with its activation `act`, is down(silu(gate(x)) * up(x))."""
+    if act is None:
+        return False
+    key = (type(act), repr(act))  # activations of one type and repr compute the same function
+    _ACTIVATIONS.setdefault(key, copy.deepcopy(act))
+    return _mlp_forward_matches(cls.forward, key)
+
+
+_ACTIVATIONS: dict[tuple, torch.nn.Module] = {}
 
 
 @functools.lru_cache(maxsize=None)
-def _mlp_forward_matches(forward: Callable, act_type: type) -> bool:
-    g = _probe_generator()
-    torch.manual_seed(0)
-    gate, up, down = torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(8, 12, bias=False), \
-        torch.nn.Linear(12, 8, bias=False)
-    try:
-        act = act_type()
-    except Exception:  # an activation built with arguments: not SiLU
-        return False
+def _mlp_forward_matches(forward: Callable, act_key: tuple) -> bool:
+    act = _ACTIVATIONS[act_key]
+    g = _probe_generator()  # the probe's own generator: the run's random stream stays as --seed left it
+
+    def linear(n_in: int, n_out: int) -> torch.nn.Linear:
+        layer = torch.nn.Linear(n_in, n_out, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n_out, n_in, generator=g))
+        return layer
+
+    with torch.random.fork_rng(devices=[]):  # nn.Linear's own initialisation draws from the global generator
+        gate, up, down = linear(8, 12), linear(8, 12), linear(12, 8)
     x = torch.randn(2, 3, 8, generator=g)
     try:
         with torch.no_grad():
@@ -105,8 +116,11 @@ def uses_global(fn: Callable, name: str) -> bool:
 
 def rebind_global(fn: Callable, name: str, value) -> Optional[Callable]:
     """A copy of `fn` that reads the module global `name` as `value`, the module itself untouched; decorators made
-    with functools.wraps around it are copied around the copy. None when a decorator holds its function some other
-    way than in its closure."""
+    with functools.wraps around it are copied around the copy. The copy sees the module's other globals as they are
+    now (a snapshot: the modeling files bind them at import). None when `fn` is not a plain function or a decorator
+    holds its function some other way than in its closure."""
+    if not isinstance(fn, types.FunctionType):
+        return None
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
         new = types.FunctionType(fn.__code__, {**fn.__globals__, name: value}, fn.__name__, fn.__defaults__,

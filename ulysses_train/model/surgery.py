@@ -21,7 +21,7 @@ transformers, so a release that moves one of them fails there.
 
 from __future__ import annotations
 
-import sys
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
-from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits
+from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits, triton_importable
 from ..levers.lean_norm import fused_forward, lean_forward
 from ..levers.loss import LMHeadWithLoss
 from ..levers.offload import HostOffload
@@ -114,9 +114,10 @@ def install_fused_rotary(model: nn.Module) -> int:
         cls = type(module)
         if not name.endswith("self_attn") or cls in _SUBCLASSES.values():
             continue
-        original = getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
-        if original is None or not uses_global(cls.forward, "apply_rotary_pos_emb"):
+        if not uses_global(cls.forward, "apply_rotary_pos_emb"):
             continue
+        # the function the forward reads: from the globals of the file that defines it (maybe a parent class's)
+        original = inspect.unwrap(cls.forward).__globals__.get("apply_rotary_pos_emb")
         if not computes_llama_rotary(original):
             continue
         forward = rebind_global(cls.forward, "apply_rotary_pos_emb", _fused_rotary(original))
@@ -135,7 +136,8 @@ def install_fused_mlp(model: nn.Module) -> int:
     """Every dense MLP computing down(silu(gate(x)) * up(x)) runs silu(gate) * up as one kernel each way."""
     patched = 0
     for module in _dense_mlps(model):
-        if type(module) in _SUBCLASSES.values() or not computes_swiglu(type(module), type(module.act_fn)):
+        act = getattr(module, "act_fn", None)
+        if type(module) in _SUBCLASSES.values() or not computes_swiglu(type(module), act):
             continue
         _swap_class(module, "Fused", {"forward": _fused_mlp_forward})
         patched += 1
@@ -194,9 +196,12 @@ def _explicit(request: LeverRequest, lever: str) -> bool:
 def check_fused_kernels(levers: Levers, request: LeverRequest, device: torch.device, dtype: torch.dtype) -> Levers:
     from ..levers.fused_check import self_check
 
-    problem = None if kernels_run_on(device) else f"they run on CUDA (or on the CPU under TRITON_INTERPRET=1), " \
-                                                  f"not on {device.type}"
-    problem = problem or self_check(device, dtype)
+    if not triton_importable():
+        problem = "Triton is not installed (pip install triton)"
+    elif not kernels_run_on(device):
+        problem = f"they run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
+    else:
+        problem = self_check(device, dtype)
     if problem is None:
         return levers
     if _explicit(request, "fused_kernels"):
@@ -226,6 +231,8 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
         report.counts[name] = (install(), patch.expected(model))
         lever = "fused_kernels" if name == "RMSNorm" and levers.fused_kernels else patch.lever
         by_lever.setdefault(lever, []).append(name)
+    if request.lean_norm == "on" and report.counts.get("RMSNorm", (1, 1))[0] == 0:  # asked for, whatever fused says
+        by_lever["lean_norm"] = ["RMSNorm"]
     for lever, names in by_lever.items():
         if sum(report.counts[n][0] for n in names) > 0:
             continue

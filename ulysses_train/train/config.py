@@ -147,7 +147,7 @@ class TrainConfig:
         for name in ("seq_len", "steps", "loss_chunk_size", "log_every", "mlp_tile_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
+        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
                      "save_total_limit", "verify_seq_len"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -27,8 +27,9 @@ class NonFiniteError(RuntimeError):
     """A NaN/inf loss or gradient; the message names the step."""
 
 
-class Interrupted(Exception):
-    """SIGTERM or Ctrl-C before training started, or a second Ctrl-C: stop now, nothing to save."""
+class Interrupted(BaseException):
+    """SIGTERM or Ctrl-C before training started, or a second Ctrl-C: stop now, nothing to save. A BaseException,
+    as KeyboardInterrupt is, so that no `except Exception` on the way swallows it."""
 
     def __init__(self, signal_name: str):
         super().__init__(signal_name)

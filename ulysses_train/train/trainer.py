@@ -119,11 +119,12 @@ class Trainer:
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
         self.module = CausalLMWithSPLoss(self._build_model())
         self.engine = self._init_engine()
-        after_engine = restore_fp32_buffers(self.module, self.dtype)  # an engine that casts buffers is undone too
-        if after_engine.restored:
-            self.log(f"buffers after deepspeed.initialize: {after_engine.describe()}")
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
         self.start_step = self._resume()
+        # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
+        after_engine = restore_fp32_buffers(self.module, self.dtype)
+        if after_engine.restored:
+            self.log(f"buffers after deepspeed.initialize and resume: {after_engine.describe()}")
         self.log(f"world {self.world} = dp {parallel.dp_size} x sp {sp_size} | kernel {self.kernel} | dtype "
                  f"{self.dtype} | micro {self.micro} x accum {self.accum} | seq_len {self.seq_len} | "
                  f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.module.parameters()) / 1e6:.1f}M params | "

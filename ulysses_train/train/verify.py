@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .faults import NonFiniteError
 from .loop import forward_backward
 
 BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
@@ -139,11 +140,14 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
         model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
                                                  attn_implementation=attention)
     model.tie_weights()  # part of the initialisation skipped above
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")} if model_config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
+    params = dict(model.named_parameters())  # tied weights once
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
         raise RuntimeError(f"--verify: the engine's weights do not fit a plain {type(model).__name__}: missing "
-                           f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+                           f"{missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, param in params.items():  # one tensor at a time: no second copy of the model in host memory
+            param.copy_(weights[name])
     model.to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     total = 0.0
@@ -213,7 +217,7 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     for micro_step in range(trainer.accum):
         loss, _, skipped = forward_backward(trainer, trainer.micro_batch(step, micro_step), step + 1)
         if skipped:
-            raise RuntimeError("--verify: the loss is not finite")
+            raise NonFiniteError("--verify: the loss of the first step is not finite")
         if micro_step < trainer.accum - 1:
             trainer.engine.step()  # only advances the accumulation counter: this is not a boundary
         loss_sum += loss

@@ -1,0 +1,1 @@
+"""The memory and speed levers, and the policy that resolves them (policy.py)."""

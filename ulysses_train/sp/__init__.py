@@ -1,0 +1,1 @@
+"""Sequence parallelism: parallel sizes, process groups, the all-to-all, sharding, the attention wrapper and kernels."""

@@ -1,0 +1,1 @@
+"""The planner, export, the per-position check and the long-range demo."""
