@@ -146,3 +146,91 @@ def test_attention_kernel_choice(monkeypatch):
     assert resolve_kernel("auto", "cuda", True, (9, 0)) == "sdpa"
     with pytest.raises(ConfigError, match="pip install flash-attn-4"):
         resolve_kernel("flash_attn_4", "cuda", True, (9, 0))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--min_lr_ratio", "nan"], "--min_lr_ratio must be a finite number, got nan"),
+    (["--min_lr_ratio", "1.5"], r"--min_lr_ratio must be in \[0, 1\], got 1.5"),
+    (["--min_lr_ratio=-0.1"], r"--min_lr_ratio must be in \[0, 1\], got -0.1"),
+    (["--weight_decay=-1"], "--weight_decay must be >= 0, got -1.0"),
+    (["--max_grad_norm=-inf"], "--max_grad_norm must be a finite number, got -inf"),
+    (["--rope_factor", "nan"], "--rope_factor must be a finite number, got nan"),
+])
+def test_validate_rejects_non_finite_and_out_of_range_floats(argv, message):
+    cfg, _ = parse_args(argv)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+
+
+def test_num_layers_beyond_the_models_depth_names_it():
+    from ulysses_train.model.build import load_model_config
+
+    with pytest.raises(ConfigError, match=r"--num_layers 40: qwen3-4b has 36 layers; give 1 to 36"):
+        load_model_config(None, "qwen3-4b", 40)
+    with pytest.raises(ConfigError, match=r"--num_layers 0: tiny has 2 layers"):
+        load_model_config(None, None, 0)
+    assert load_model_config(None, "qwen3-4b", 36).num_hidden_layers == 36
+
+
+def _ds_file(tmp_path, text):
+    path = tmp_path / "ds.json"
+    path.write_text(text if isinstance(text, str) else json.dumps(text))
+    return str(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"optimzer": {"type": "AdamW"}}, r"unknown top-level key 'optimzer' \(did you mean 'optimizer'\?\)"),
+    ({"zero_optimisation": {"stage": 3}}, r"'zero_optimisation' \(did you mean 'zero_optimization'\?\)"),
+    ({"my_own_setting": 1}, r"unknown top-level key 'my_own_setting'; DeepSpeed reads"),
+    ('{"bf16": {"enabled": true}, "bf16": {"enabled": false}}', "key 'bf16' appears twice"),
+    ("[1, 2]", "must hold a JSON object"),
+    ("{", "is not valid JSON"),
+])
+def test_ds_config_typos_and_malformed_files_are_errors(tmp_path, content, message):
+    path = _ds_file(tmp_path, content)
+    with pytest.raises(ConfigError, match=rf"--ds_config {path}: .*{message}|--ds_config {path} {message}"):
+        load_ds_config(path)
+    cfg, _ = parse_args(["--ds_config", path])
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+
+
+def test_shipped_ds_configs_pass_the_key_check():
+    for name in os.listdir(os.path.join(REPO_ROOT, "ds_configs")):
+        load_ds_config(os.path.join(REPO_ROOT, "ds_configs", name))
+
+
+def test_the_key_allow_list_covers_every_top_level_key_deepspeed_reads():
+    """DeepSpeedConfig parses a config through a dict that records each top-level key it looks up: all of them must
+    be allowed (a DeepSpeed upgrade that reads a new key fails here, naming it)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ulysses_train.train.ds_config import DEEPSPEED_TOP_LEVEL_KEYS
+
+    read = set()
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            read.add(key)
+            return dict.get(self, key, default)
+
+        def __getitem__(self, key):
+            read.add(key)
+            return dict.__getitem__(self, key)
+
+        def __contains__(self, key):
+            read.add(key)
+            return dict.__contains__(self, key)
+
+        def keys(self):  # `key in config.keys()` is how DeepSpeed asks for some of them
+            return self
+
+        def __copy__(self):
+            return self
+
+    DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1,
+                              zero_optimization={"stage": 3}))
+    assert len(read) > 40, sorted(read)
+    assert read <= set(DEEPSPEED_TOP_LEVEL_KEYS), sorted(read - set(DEEPSPEED_TOP_LEVEL_KEYS))

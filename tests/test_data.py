@@ -10,8 +10,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.models import tiny_config
 from ulysses_train.errors import ConfigError
-from ulysses_train.data.corpus import (ByteTokenizer, TokenSamples, store_key, build_token_store, load_corpus,
-                                  load_tokenizer, pick_text_column, tokenize_corpus)
+from ulysses_train.data.corpus import (ByteTokenizer, TokenSamples, build_token_store, cache_settings, load_corpus,
+                                       load_tokenizer, pick_text_column, store_key, tokenize_corpus)
 from ulysses_train.data.sources import build_batch
 from ulysses_train.sp.sharding import IGNORE_INDEX
 
@@ -21,8 +21,10 @@ DOCS = ["first book. " * 7, "second, longer book! " * 9, "third: ünïcode ✓ "
 def _store(path, tmp_path, seq_len=None, column=None):
     tok = ByteTokenizer()
     ds = load_corpus(str(path))
-    tokenized = tokenize_corpus(ds, tok, pick_text_column(ds.column_names, column), None)
-    return build_token_store(tokenized, tok.eos_token_id, str(tmp_path / "cache"), store_key(tokenized._fingerprint, tok))
+    column = pick_text_column(ds.column_names, column)
+    tokenized = tokenize_corpus(ds, tok, column, None)
+    key = store_key(cache_settings(tokenized._fingerprint, tok, str(path), "train", column, None))
+    return build_token_store(tokenized, tok.eos_token_id, str(tmp_path / "cache"), key)
 
 
 def _expected_tokens(docs):

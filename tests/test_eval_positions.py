@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -66,3 +67,24 @@ def test_per_position_loss_matches_the_model_and_sp2(setup):
     mean = torch.stack(losses).mean(0)
     expected = [float(mean[s:s + BUCKET].mean()) for s in range(0, SEQ - 1, BUCKET)]
     assert single == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_samples", "0"], "--num_samples must be positive, got 0"),
+    (["--seq_len", "1"], r"--seq_len must be at least 2 \(a loss needs a token and its successor\), got 1"),
+    (["--bucket", "0"], "--bucket must be positive, got 0"),
+    (["--threshold", "nan"], "--threshold must be a finite number, got nan"),
+    (["--seq_len", "100000"], r"fewer than one sample of --seq_len 100000: lower --seq_len or add data$"),
+    (["--model", "/no/such/model"], r"--model /no/such/model: no such file or folder"),
+    (["--dataset", "/no/such/books"], r"--dataset /no/such/books: no such file or folder"),
+])
+def test_bad_settings_are_one_message_and_exit_2(setup, capsys, args, message):
+    """Checked before any process group or model: main returns 2 with one line, whatever it suggests exists."""
+    from ulysses_train.tools.eval_positions import main
+
+    base = {"--model": str(setup / "model"), "--dataset": str(setup / "books"), "--tokenizer": "bytes",
+            "--seq_len": str(SEQ), "--data_cache_dir": str(setup / "cache")}
+    base.update(dict(zip(args[::2], args[1::2])))
+    assert main([x for kv in base.items() for x in kv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(message, err) and err.startswith("error: ") and "--last_sample" not in err, err

@@ -40,11 +40,12 @@ def three_head_config(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag",
-                                  "dataset_too_short", "missing_column"])
+                                  "dataset_too_short", "missing_column", "corrupt_dataset", "missing_model"])
 def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("short text")
     (tmp_path / "rows.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "cut.jsonl").write_text('{"text": "fine"}\n{"text": "cut he')
     data = ["--tokenizer", "bytes", "--data_cache_dir", str(tmp_path / "cache")]
     conflicting = tmp_path / "ds.json"
     conflicting.write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3}}))
@@ -58,6 +59,10 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
         "dataset_too_short": (["--dataset", str(tmp_path / "books")] + data,
                               "the dataset has 11 tokens, fewer than one sample of --seq_len 64"),
         "missing_column": (["--dataset", str(tmp_path / "rows.jsonl")] + data, "no 'text' column"),
+        # read by rank 0 alone, its error broadcast: the other rank must not be left waiting
+        "corrupt_dataset": (["--dataset", str(tmp_path / "cut.jsonl")] + data,
+                            f"--dataset {tmp_path / 'cut.jsonl'} cannot be read"),
+        "missing_model": (["--model", str(tmp_path / "no_model")], f"--model {tmp_path / 'no_model'}: no such file"),
     }[case]
     results = run_ranks(2, args)
     assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]

@@ -1,5 +1,7 @@
 """The planner's arithmetic on a small config, checked against values computed by hand here."""
 
+import re
+
 import pytest
 
 from tests.models import tiny_config
@@ -159,3 +161,32 @@ def test_longest_fits_and_one_step_more_does_not(capsys):
     assert longest_fit(g, 1, sizes, 139.7 * GiB, 238 * GiB) > longest
     assert main(["--model_config", "qwen3-4b", "--longest"]) == 0
     assert f"longest sequence that fits: {longest:,} tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq_len", "0"], "--seq_len must be positive, got 0"),
+    (["--seq_len=-5"], "--seq_len must be positive, got -5"),
+    (["--seq_len", "4096", "--num_layers", "0"], "--num_layers 0: qwen3-4b has 36 layers"),
+    (["--seq_len", "4096", "--num_layers", "99"], "--num_layers 99: qwen3-4b has 36 layers"),
+    (["--seq_len", "4096", "--sp_size", "8", "--gpus", "2"], "--sp_size 8 does not divide --gpus 2"),
+    (["--seq_len", "4096", "--sp_size", "0"], "--sp_size must be >= 1, got 0"),
+    (["--seq_len", "4096", "--gpus", "0"], "--gpus must be positive, got 0"),
+    (["--seq_len", "4096", "--gpu_mem_gib", "inf"], "--gpu_mem_gib must be a positive finite number, got inf"),
+    (["--seq_len", "4096", "--gpu_mem_gib", "nan"], "--gpu_mem_gib must be a positive finite number, got nan"),
+    (["--seq_len", "4096", "--host_mem_gib", "0"], "--host_mem_gib must be a positive finite number, got 0.0"),
+    (["--longest", "--gpu_mem_gib", "inf"], "--gpu_mem_gib must be a positive finite number, got inf"),
+    (["--seq_len", "4096", "--ds_config", "BAD"], "--ds_config .* is not valid JSON"),
+    (["--seq_len", "4096", "--ds_config", "TYPO"], "did you mean 'zero_optimization'"),
+    (["--seq_len", "4096", "--ds_config", "AUTO_STAGE"], "zero_optimization.stage must be 0, 1, 2 or 3, got 'auto'"),
+])
+def test_bad_settings_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    files = {"BAD": "{", "TYPO": '{"zero_optimisation": {"stage": 3}}',
+             "AUTO_STAGE": '{"zero_optimization": {"stage": "auto"}}'}
+    for name, text in files.items():
+        if name in argv:
+            (tmp_path / "ds.json").write_text(text)
+            argv = [str(tmp_path / "ds.json") if a == name else a for a in argv]
+    assert main(["--model_config", "qwen3-4b"] + argv) == 2
+    out, err = capsys.readouterr()
+    assert re.search(message, err) and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "fits" not in out

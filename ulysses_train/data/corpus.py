@@ -4,22 +4,24 @@ Pipeline: `datasets` loads the corpus (a hub id, or local txt / jsonl / json / p
 `save_to_disk` folder), tokenizes it with `Dataset.map` (batched, `num_proc`, progress bars, cached by fingerprint),
 and we write the token ids once into a flat memory-mapped array, EOS between documents, plus the document start
 offsets. A sample is then a slice of that array: a 1M-token sample loads without any Python list. The arrays are
-cached under a key made of the tokenized dataset's fingerprint and the tokenizer, so a second run starts in seconds.
+cached (token_store.py) under a key made of every setting that decides them, so a second run starts in seconds.
+A dataset that cannot be read (a corrupt parquet or JSON file) is a ConfigError naming --dataset.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
-from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..paths import local_or_hub
+from .token_store import TokenStore, build_token_store, cache_settings, store_key, tokenizer_identity  # noqa: F401
 
 _EXT_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -30,6 +32,7 @@ class ByteTokenizer:
     pad_token_id, eos_token_id, unk_token_id = 0, 1, 2
     vocab_size = 259
     name_or_path = "bytes"
+    identity = "utf-8 bytes + 3, pad 0, eos 1, unk 2"  # what the token cache's key records for it
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) + 3 for t in texts]
@@ -38,14 +41,21 @@ class ByteTokenizer:
         return self.vocab_size
 
 
-def load_tokenizer(name: Optional[str], model: Optional[str]):
-    """--tokenizer: 'bytes', a path/hub id, or (default) the model's own tokenizer; bytes without a model."""
+def load_tokenizer(name: Optional[str], model: Optional[str], need_eos: bool = True):
+    """--tokenizer: 'bytes', a path/hub id, or (default) the model's own tokenizer; bytes without a model. A
+    tokenizer that does not load, or (when documents are joined) has no EOS, is a ConfigError naming the flag."""
     if name == "bytes" or (name is None and model is None):
         return ByteTokenizer()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name or model)
-    if tokenizer.eos_token_id is None:
+    flag = f"--tokenizer {name}" if name else f"--model {model}"
+    local_or_hub("tokenizer" if name else "model", name or model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name or model)
+    except (OSError, ValueError) as e:  # missing or unreadable files; transformers' messages say which
+        hint = "" if name else " (give another with --tokenizer)"
+        raise ConfigError(f"{flag}: the tokenizer does not load{hint}: {str(e).strip()}") from None
+    if need_eos and tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {name or model} has no EOS token, which joins documents: "
                           f"give one with --tokenizer, or use --tokenizer bytes")
     return tokenizer
@@ -72,11 +82,16 @@ def _local_builder(path: str) -> tuple[str, dict]:
     return builder, kwargs
 
 
+def _saved_dataset(path: str) -> bool:
+    """A folder written by save_to_disk: one Dataset, or a DatasetDict of splits."""
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, marker)) for marker in
+                                       ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
 def load_corpus(spec: str, split: str = "train", streaming: bool = False):
     import datasets
 
-    if os.path.isdir(spec) and (os.path.exists(os.path.join(spec, "dataset_info.json"))
-                                or os.path.exists(os.path.join(spec, "state.json"))):
+    if _saved_dataset(spec):
         loaded = datasets.load_from_disk(spec)
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
@@ -86,7 +101,29 @@ def load_corpus(spec: str, split: str = "train", streaming: bool = False):
     if os.path.exists(spec):
         builder, kwargs = _local_builder(spec)
         return datasets.load_dataset(builder, split=split, streaming=streaming, **kwargs)
+    local_or_hub("dataset", spec)
     return datasets.load_dataset(spec, split=split, streaming=streaming)
+
+
+@contextmanager
+def unreadable_dataset_is_a_config_error(spec: str):
+    """Reading --dataset (loading, tokenizing, and for a streamed dataset storing) fails on a corrupt file with
+    datasets' or Arrow's exception; it is the user's file to fix: one message naming it, no traceback."""
+    import datasets
+    import pyarrow
+
+    try:
+        yield
+    except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, json.JSONDecodeError) as e:
+        cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ else e
+        raise ConfigError(f"--dataset {spec} cannot be read: {type(cause).__name__}: {str(cause).strip()}") from None
+
+
+def _first_row_columns(corpus) -> list[str]:
+    """The columns of a streamed dataset whose features datasets could not infer up front: reading its first row
+    names them, or raises the error that kept them unknown (a corrupt file) instead of a missing-column message."""
+    first = next(iter(corpus), None)
+    return list(first) if first else []
 
 
 def pick_text_column(column_names, requested: Optional[str]) -> str:
@@ -98,20 +135,6 @@ def pick_text_column(column_names, requested: Optional[str]) -> str:
     if "text" in names:
         return "text"
     raise ConfigError(f"no 'text' column in the dataset (columns: {names}): name one with --text_column")
-
-
-@dataclass
-class TokenStore:
-    """The corpus as one flat token array (EOS after each document) and each document's start offset."""
-
-    tokens: np.ndarray  # (n_tokens,) uint32, memory-mapped
-    doc_starts: np.ndarray  # (n_docs,) int64
-    cache_hit: bool = False
-
-
-def store_key(fingerprint: str, tokenizer) -> str:
-    tok = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
-    return hashlib.sha1(json.dumps([fingerprint, str(tok), len(tokenizer)]).encode()).hexdigest()[:16]
 
 
 def tokenize_corpus(ds, tokenizer, text_column: str, num_proc: Optional[int]):
@@ -129,57 +152,18 @@ def tokenize_corpus(ds, tokenizer, text_column: str, num_proc: Optional[int]):
     return ds.map(encode, **kwargs)
 
 
-def build_token_store(tokenized, eos_id: int, cache_dir: str, key: str, max_tokens: Optional[int] = None) -> TokenStore:
-    """Writes (or reuses) tokens.npy and doc_starts.npy under cache_dir/key."""
-    folder = os.path.join(cache_dir, key)
-    tokens_path, docs_path = os.path.join(folder, "tokens.npy"), os.path.join(folder, "doc_starts.npy")
-    if os.path.exists(docs_path):  # written last: its presence means the store is complete
-        return TokenStore(np.load(tokens_path, mmap_mode="r"), np.load(docs_path), cache_hit=True)
-    os.makedirs(folder, exist_ok=True)
-    tmp_tokens = tokens_path + ".tmp"
-    starts, total = [], 0
-    with open(tmp_tokens, "wb") as out:
-        for ids in _iter_token_arrays(tokenized):
-            if len(ids) == 0:
-                continue  # empty documents add nothing, not even an EOS
-            starts.append(total)
-            out.write(np.append(ids, eos_id).astype(np.uint32).tobytes())
-            total += len(ids) + 1
-            if max_tokens is not None and total >= max_tokens:
-                break
-    flat = np.memmap(tmp_tokens, dtype=np.uint32, mode="r", shape=(total,)) if total else np.zeros(0, np.uint32)
-    np.save(tokens_path, flat)  # .npy header + data; small next to tokenizing
-    del flat
-    os.remove(tmp_tokens)
-    np.save(docs_path + ".tmp.npy", np.asarray(starts, dtype=np.int64))
-    os.replace(docs_path + ".tmp.npy", docs_path)
-    return TokenStore(np.load(tokens_path, mmap_mode="r"), np.load(docs_path))
-
-
-def _iter_token_arrays(tokenized):
-    """Each document's token ids as a numpy array, straight from Arrow where the dataset has a table."""
-    table = getattr(tokenized, "data", None)
-    if table is not None and hasattr(table, "column"):
-        for chunk in table.column("input_ids").chunks:
-            offsets, values = chunk.offsets.to_numpy(), chunk.values.to_numpy(zero_copy_only=False)
-            for i in range(len(offsets) - 1):
-                yield values[offsets[i]:offsets[i + 1]]
-    else:  # streaming
-        for row in tokenized:
-            yield np.asarray(row["input_ids"], dtype=np.int64)
-
-
 class TokenSamples:
     """Samples of exactly seq_len tokens cut from a TokenStore; with pad_last the last partial sample is padded
     (its padding is ignored by the loss), otherwise it is dropped."""
 
-    def __init__(self, store: TokenStore, seq_len: int, pad_id: int, pad_last: bool):
+    def __init__(self, store: TokenStore, seq_len: int, pad_id: int, pad_last: bool, can_pad: bool = True):
         self.store, self.seq_len, self.pad_id = store, seq_len, pad_id
         n_tokens = len(store.tokens)
         self.num_samples = -(-n_tokens // seq_len) if pad_last else n_tokens // seq_len
         if self.num_samples == 0:
+            remedies = ", add data, or pass --last_sample pad" if can_pad else " or add data"  # only where it exists
             raise ConfigError(f"the dataset has {n_tokens} tokens, fewer than one sample of --seq_len {seq_len}: "
-                              f"lower --seq_len, add data, or pass --last_sample pad")
+                              f"lower --seq_len{remedies}")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -206,15 +190,18 @@ class TokenSamples:
 
 def corpus_samples(dataset: str, split: str, text_column: Optional[str], tokenizer, seq_len: int, cache_dir: str,
                    streaming: bool = False, num_proc: Optional[int] = None, max_tokens: Optional[int] = None,
-                   pad_last: bool = False) -> tuple[TokenSamples, TokenStore]:
+                   pad_last: bool = False, can_pad: bool = True) -> tuple[TokenSamples, TokenStore]:
     """The whole pipeline: load, pick the text column, tokenize, store (or reuse the cached store), cut into samples
-    of `seq_len` tokens. Errors that name the flag to change are ConfigErrors."""
-    corpus = load_corpus(dataset, split, streaming)
-    column = pick_text_column(corpus.column_names, text_column)
-    tokenized = tokenize_corpus(corpus, tokenizer, column, num_proc)
-    fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
-    store = build_token_store(tokenized, tokenizer.eos_token_id, cache_dir, store_key(fingerprint, tokenizer),
-                              max_tokens)
+    of `seq_len` tokens. Errors that name the flag to change are ConfigErrors; `can_pad`: the caller has
+    --last_sample, so messages may suggest it."""
+    with unreadable_dataset_is_a_config_error(dataset):
+        corpus = load_corpus(dataset, split, streaming)
+        column = pick_text_column(corpus.column_names or _first_row_columns(corpus), text_column)
+        tokenized = tokenize_corpus(corpus, tokenizer, column, num_proc)
+        fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
+        settings = cache_settings(fingerprint, tokenizer, dataset, split, column, max_tokens)
+        store = build_token_store(tokenized, tokenizer.eos_token_id, cache_dir, store_key(settings), max_tokens,
+                                  settings)
     if len(store.tokens) == 0:
         raise ConfigError(f"--dataset {dataset}: no text in column {column!r} (empty dataset or column)")
-    return TokenSamples(store, seq_len, tokenizer.pad_token_id or 0, pad_last), store
+    return TokenSamples(store, seq_len, tokenizer.pad_token_id or 0, pad_last, can_pad), store

@@ -15,6 +15,7 @@ import torch
 from ..sp.attention import ATTN_NAME
 from .buffers import restore_fp32_buffers
 from ..errors import ConfigError
+from ..paths import local_or_hub
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, head_dim=128, attention_bias=False, attention_dropout=0.0,
               hidden_act="silu", rope_theta=1_000_000, max_position_embeddings=40960, vocab_size=151936)
@@ -38,11 +39,16 @@ PRESETS: dict[str, dict] = {
 
 
 def load_model_config(model: Optional[str], model_config: Optional[str], num_layers: Optional[int] = None):
-    """The transformers config of --model, or of --model_config (preset name or JSON path); tiny by default."""
+    """The transformers config of --model, or of --model_config (preset name or JSON path); tiny by default, cut to
+    --num_layers. Whatever keeps it from loading is a ConfigError naming the flag."""
     from transformers import AutoConfig
 
     if model:
-        config = AutoConfig.from_pretrained(model)
+        local_or_hub("model", model)
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError) as e:  # no such hub id, no or unreadable config.json, unknown model_type
+            raise ConfigError(f"--model {model}: {str(e).strip()}") from None
     else:
         name = model_config or "tiny"
         if name in PRESETS:
@@ -56,6 +62,10 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
             raise ConfigError(f"--model_config {name}: the config has no model_type")
         config = AutoConfig.for_model(**values)
     if num_layers is not None:
+        depth = config.num_hidden_layers
+        if not 1 <= num_layers <= depth:  # more layers than the model has would be built and index past its lists
+            raise ConfigError(f"--num_layers {num_layers}: {model or model_config or 'tiny'} has {depth} layers; "
+                              f"give 1 to {depth}")
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:num_layers]

@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..errors import ConfigError
 
 
 def per_position_loss(model, ids: torch.Tensor, groups, device) -> torch.Tensor:
@@ -81,14 +84,7 @@ def plot(path: str, summary: dict, bucket: int, entropy: float, title: str) -> N
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    from transformers import AutoModelForCausalLM
-
-    from ..data.corpus import corpus_samples, load_tokenizer
-    from ..sp.attention import ATTN_NAME, register_ulysses_attention
-    from ..sp.groups import SequenceParallelGroups
-    from ..train.launcher import exit_now, normalise_launcher_env
-
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ulysses_train.eval_positions", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -102,7 +98,52 @@ def main(argv=None) -> int:
     p.add_argument("--threshold", type=float, default=0.5, help="nats above the early mean that count as a rise")
     p.add_argument("--out", default="outputs/eval_positions")
     p.add_argument("--data_cache_dir", default=os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"))
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """The numbers, and the model, tokenizer and dataset paths: ConfigErrors naming the flag."""
+    from ..train.preflight import check_dataset, check_model, check_tokenizer
+
+    if a.seq_len < 2:
+        raise ConfigError(f"--seq_len must be at least 2 (a loss needs a token and its successor), got {a.seq_len}")
+    for name in ("num_samples", "bucket"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise ConfigError(f"--{name} must be positive, got {getattr(a, name)}")
+    if not math.isfinite(a.threshold):
+        raise ConfigError(f"--threshold must be a finite number, got {a.threshold}")
+    check_model(a.model, need_tokenizer=a.tokenizer is None)
+    check_tokenizer(a.tokenizer)
+    check_dataset(a.dataset)
+
+
+def main(argv=None) -> int:
+    """Settings and data are checked before any process group or model exists: a setting to change is one message
+    (from rank 0) and exit code 2 on every rank."""
+    from ..data.corpus import corpus_samples, load_tokenizer
+
+    a = parse_args(argv)
+    try:
+        check_args(a)
+        tokenizer = load_tokenizer(a.tokenizer, a.model)
+        samples, _ = corpus_samples(a.dataset, a.dataset_split, a.text_column, tokenizer, a.seq_len,
+                                    a.data_cache_dir, can_pad=False)  # a padded tail has no losses to show
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    evaluate(a, samples)
+    return 0
+
+
+def evaluate(a: argparse.Namespace, samples) -> None:
+    """Loss per position over the first --num_samples samples (Ulysses SP over all ranks); rank 0 writes the csv,
+    the plot and the summary. Ends the process (see exit_now)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..sp.attention import ATTN_NAME, register_ulysses_attention
+    from ..sp.groups import SequenceParallelGroups
+    from ..train.launcher import exit_now, normalise_launcher_env
 
     normalise_launcher_env()
     cuda = torch.cuda.is_available()
@@ -112,8 +153,6 @@ def main(argv=None) -> int:
     register_ulysses_attention(groups.sp_group, "sdpa")
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=ATTN_NAME,
                                                  dtype=torch.bfloat16 if cuda else torch.float32).to(device).eval()
-    tokenizer = load_tokenizer(a.tokenizer, a.model)
-    samples, _ = corpus_samples(a.dataset, a.dataset_split, a.text_column, tokenizer, a.seq_len, a.data_cache_dir)
     n = min(a.num_samples, len(samples))
     total, seen = torch.zeros(a.seq_len - 1), []
     with torch.no_grad():
@@ -122,28 +161,32 @@ def main(argv=None) -> int:
             seen.append(ids)
             total += per_position_loss(model, ids, groups, device)
     if dist.get_rank() == 0:
-        bucket = a.bucket or max(1, a.seq_len // 64)
-        summary = summarize(total / n, bucket, a.threshold)
-        entropy = unigram_entropy(torch.stack(seen))
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "positions.csv"), "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["bucket_start", "bucket_end", "mean_loss"])
-            for s, m in zip(summary["starts"], summary["means"]):
-                writer.writerow([s, min(s + bucket, a.seq_len - 1), f"{m:.6f}"])
-        plot(os.path.join(a.out, "positions.png"), summary, bucket, entropy,
-             f"{os.path.basename(a.model.rstrip('/'))}: {n} x {a.seq_len:,} tokens")
-        line = {"tail_tokens": summary["tail_tokens"], "tail_mean_loss": summary["tail_mean"],
-                "early_mean_loss": summary["early_mean"], "first_rise_position": summary["first_rise_position"],
-                "unigram_entropy": entropy, "samples": n}
-        with open(os.path.join(a.out, "summary.json"), "w") as f:
-            json.dump(line, f)
-        rise = summary["first_rise_position"]
-        print(f"last {summary['tail_tokens']:,} tokens: mean loss {summary['tail_mean']:.4f} (unigram entropy "
-              f"{entropy:.4f}); {'no rise' if rise is None else f'loss first rises {a.threshold} nats above the early mean at position {rise:,}'}"
-              f" -> {a.out}")
+        write_results(a, total / n, torch.stack(seen), n)
     dist.barrier()
     exit_now(0)  # see exit_now: no process-group teardown
+
+
+def write_results(a: argparse.Namespace, losses: torch.Tensor, ids: torch.Tensor, n: int) -> None:
+    bucket = a.bucket or max(1, a.seq_len // 64)
+    summary = summarize(losses, bucket, a.threshold)
+    entropy = unigram_entropy(ids)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "positions.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["bucket_start", "bucket_end", "mean_loss"])
+        for s, m in zip(summary["starts"], summary["means"]):
+            writer.writerow([s, min(s + bucket, a.seq_len - 1), f"{m:.6f}"])
+    plot(os.path.join(a.out, "positions.png"), summary, bucket, entropy,
+         f"{os.path.basename(a.model.rstrip('/'))}: {n} x {a.seq_len:,} tokens")
+    line = {"tail_tokens": summary["tail_tokens"], "tail_mean_loss": summary["tail_mean"],
+            "early_mean_loss": summary["early_mean"], "first_rise_position": summary["first_rise_position"],
+            "unigram_entropy": entropy, "samples": n}
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(line, f)
+    rise = summary["first_rise_position"]
+    print(f"last {summary['tail_tokens']:,} tokens: mean loss {summary['tail_mean']:.4f} (unigram entropy "
+          f"{entropy:.4f}); {'no rise' if rise is None else f'loss first rises {a.threshold} nats above the early mean at position {rise:,}'}"
+          f" -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ import math
 import sys
 from typing import Optional
 
+from ..errors import ConfigError
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_bytes, kept_attention_bytes, \
     resolve_levers
 from ..model.geometry import geometry
-from ..sp.dims import valid_sp_sizes
+from ..sp.dims import check_heads, valid_sp_sizes
 from ..train.ds_config import lever_choices, load_ds_config
 
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -192,7 +193,34 @@ def _table(rows) -> str:
     return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
 
 
+def check_numbers(a: argparse.Namespace) -> None:
+    """The planner's own flags, before any model is read: a plan of zero tokens, GPUs or memory is no plan."""
+    if a.gpus < 1:
+        raise ConfigError(f"--gpus must be positive, got {a.gpus}")
+    for name in ("gpu_mem_gib", "host_mem_gib"):
+        value = getattr(a, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{name} must be a positive finite number, got {value}")
+    if not a.longest and a.seq_len is not None and a.seq_len <= 0:
+        raise ConfigError(f"--seq_len must be positive, got {a.seq_len}")
+    if a.sp_size is not None:
+        if a.sp_size < 1:
+            raise ConfigError(f"--sp_size must be >= 1, got {a.sp_size}")
+        if a.gpus % a.sp_size:
+            raise ConfigError(f"--sp_size {a.sp_size} does not divide --gpus {a.gpus}: choose a divisor of {a.gpus} "
+                              f"(the remaining factor is data parallel)")
+
+
 def main(argv=None) -> int:
+    """The command line; a setting to change is one line on stderr and exit code 2."""
+    try:
+        return _main(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     from ..model.build import load_model_config
 
     p = argparse.ArgumentParser(prog="python -m ulysses_train.plan", description=__doc__,
@@ -212,11 +240,13 @@ def main(argv=None) -> int:
                         "(default: ZeRO-3, and the planner picks the optimizer states)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if not a.longest and a.seq_len is None:
+        p.error("give --seq_len N, or --longest")
+    check_numbers(a)
     g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
+    if a.sp_size:
+        check_heads(a.sp_size, g["heads"], g["kv"])
     sizes = valid_sp_sizes(a.gpus, g["heads"], g["kv"], a.sp_size)
-    if not sizes:
-        print(f"error: no valid --sp_size for {a.gpus} GPUs and {g['heads']} heads / {g['kv']} KV heads")
-        return 2
     ds_choices = ds_config_choices(a.ds_config) if a.ds_config else None
     if a.longest:
         a.seq_len = longest_fit(g, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices)
@@ -224,8 +254,6 @@ def main(argv=None) -> int:
             print(f"nothing fits even at 8,192 tokens on {a.gpus} GPU(s) of {a.gpu_mem_gib} GiB")
             return 1
         print(f"longest sequence that fits: {a.seq_len:,} tokens")
-    elif a.seq_len is None:
-        p.error("give --seq_len N, or --longest")
     sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
                                   ds_choices)
     if a.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KINDS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
+from .ds_config import load_ds_config
 
 DTYPES = ("auto", "bf16", "fp32")
 LEAN_NORM = (*AUTO_ON_OFF, "true", "false")  # true and false as when the flag was a switch
@@ -160,17 +161,21 @@ class TrainConfig:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
+        for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"--{f.name} must be a finite number, got {value}")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}: it is the fraction of "
+                              f"--lr the cosine decay ends at")
+        for name in ("weight_decay", "max_grad_norm"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError(f"--warmup_steps must be in [0, --steps={self.steps}], got {self.warmup_steps}")
-        if not os.path.isfile(self.ds_config):
-            raise ConfigError(f"--ds_config {self.ds_config}: no such file")
-        try:
-            with open(self.ds_config) as f:
-                json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--ds_config {self.ds_config} is not valid JSON: {e}") from None
+        load_ds_config(self.ds_config)  # exists, is JSON, and every top-level key is one DeepSpeed reads
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -38,6 +38,7 @@ from .config import TrainConfig
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
 from .launcher import exit_now
+from .preflight import preflight
 from .run_lock import RunLock
 from .watchdog import Watchdog
 
@@ -85,6 +86,7 @@ class Trainer:
         from transformers.integrations import HfDeepSpeedConfig
 
         cfg.validate()
+        preflight(cfg)  # model, tokenizer and dataset paths, before anything is loaded
         self.cfg, self.seq_len = cfg, verify_seq_len(cfg)
         self.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
         self.model_config.use_cache = False
@@ -201,11 +203,10 @@ class Trainer:
         outcome is broadcast, so a bad dataset stops every rank with its message instead of leaving them waiting."""
         cfg = self.cfg
         if not cfg.dataset:
-            tokenizer = None
-            if cfg.model:
-                from transformers import AutoTokenizer
+            from ..data.corpus import load_tokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            # generated tokens need none; a model's tokenizer (or --tokenizer) is saved with its checkpoints
+            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model, need_eos=False) if cfg.model else None
             return tokenizer, SyntheticSource(self.model_config.vocab_size, self.seq_len, cfg.seed)
         result = self._try_load_corpus() if self.rank == 0 else None
         error = [result if isinstance(result, str) else None]  # only rank 0's error message crosses ranks
