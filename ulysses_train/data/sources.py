@@ -76,6 +76,11 @@ def build_batch(rows: list[tuple[torch.Tensor, int, Optional[list[int]]]], packi
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "docs": docs}
 
 
+def trainable_tokens(batch: dict) -> int:
+    """Labels that are targets once shifted (position t predicts token t + 1): what the loss averages over."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
 class SyntheticSource:
     num_samples = None
 

@@ -11,16 +11,27 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..levers.loss import global_token_count
+from ..data.sources import trainable_tokens
 from ..sp.sharding import shard_sequence
 from .faults import check_grad_norm, inject_at_step, loss_is_skipped
 from .memory_profile import ProfileFirstSteps
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 
 
-def forward_backward(run, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One batch of whole sequences: this rank's shard forward and backward. Returns the SP group's loss, its valid
-    tokens, and whether the step is skipped (a non-finite loss under --skip_nonfinite)."""
+def step_token_count(run, batches: list[dict]) -> torch.Tensor:
+    """Trainable tokens of a whole optimizer step, every micro-batch of every DP rank: the loss's denominator, so
+    the loss is the mean over the global batch however the tokens fall (SFT data does not give every micro-batch
+    the same count). Counted from the whole sequences, which every rank of an SP group holds."""
+    count = torch.tensor(float(sum(trainable_tokens(b) for b in batches)), device=run.device)
+    if run.groups.dp_size > 1:
+        dist.all_reduce(count, group=run.groups.dp_group)
+    return count
+
+
+def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """One batch of whole sequences: this rank's shard forward and backward. Returns the SP group's share of the
+    step's loss (sum of its tokens' cross-entropy / `normalizer`), and whether the step is skipped (a non-finite
+    loss under --skip_nonfinite)."""
     g = run.groups
     pad_id = getattr(run.tokenizer, "pad_token_id", None) or 0
     shard = {k: v.to(run.device) for k, v in shard_sequence(  # (b, s) -> (b, s/sp) each
@@ -29,17 +40,35 @@ def forward_backward(run, batch: dict, step: int) -> tuple[torch.Tensor, torch.T
     padded = shard["input_ids"].shape[1] * g.sp_size - batch["input_ids"].shape[1]
     docs = batch["docs"]  # the padding added for sp is one more (ignored) document
     run.attention.doc_lengths = [row + [padded] for row in docs] if docs is not None and padded else docs
-    normalizer = global_token_count(shard["labels"], g.sp_group)
-    loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
+    loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.clamp(min=1.0))
     if loss_is_skipped(loss, step, run.cfg.skip_nonfinite):
-        return loss.detach(), normalizer, True
-    run.engine.backward(loss * run.backward_scale)
+        return loss.detach(), True
+    # DeepSpeed averages gradients over DP ranks and micro-steps; each share is already / the global count, so
+    # undo the averaging to sum them (and sp_backward_scale makes the SP ranks' shares add up, see levers/loss.py)
+    run.engine.backward(loss * (run.backward_scale * run.accum * g.dp_size))
     if run.offload is not None:
         run.offload.reset()
     total = loss.detach().float()
     if g.sp_size > 1:
         dist.all_reduce(total, group=g.sp_group)
-    return total, normalizer, False
+    return total, False
+
+
+def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Every micro-step of optimizer step `step` (1-based), and the engine's optimizer step after the last unless
+    `finish` is False (--verify stops before it). Returns the loss (the mean over the step's trainable tokens, on
+    every rank), the token count, and whether the step was skipped."""
+    batches = [run.micro_batch(step - 1, m) for m in range(run.accum)]
+    normalizer = step_token_count(run, batches)
+    total, skipped = torch.zeros((), device=run.device), False
+    for micro_step, batch in enumerate(batches):
+        loss, skipped = forward_backward(run, batch, step, normalizer)
+        if not skipped and (finish or micro_step < run.accum - 1):
+            run.engine.step()  # inside the accumulation only advances DeepSpeed's micro-step counter
+        total += loss
+    if run.groups.dp_size > 1:
+        dist.all_reduce(total, group=run.groups.dp_group)
+    return total, normalizer, skipped
 
 
 def train_step(run, step: int) -> dict:
@@ -48,21 +77,13 @@ def train_step(run, step: int) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    stats, skipped = torch.zeros(2, device=device), False  # (loss summed over micro-steps, valid tokens)
-    for micro_step in range(run.accum):
-        loss, count, skipped = forward_backward(run, run.micro_batch(step - 1, micro_step), step)
-        if not skipped:
-            run.engine.step()
-        stats += torch.stack([loss / run.accum, count])
-    if g.dp_size > 1:
-        dist.all_reduce(stats, group=g.dp_group)
+    loss, tokens, skipped = accumulate(run, step)
     sync()
     elapsed = time.perf_counter() - start
     grad_norm = float(run.engine.get_global_grad_norm() or 0.0)
     check_grad_norm(grad_norm, step, skipped, run.cfg.skip_nonfinite)
-    return {"step": step, "loss": stats[0].item() / g.dp_size, "grad_norm": grad_norm,
-            "num_tokens": int(stats[1].item()), "step_time_s": elapsed,
-            "tokens_per_s": run.seq_len * run.micro * run.accum * g.dp_size / elapsed,
+    return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": int(tokens.item()),
+            "step_time_s": elapsed, "tokens_per_s": run.seq_len * run.micro * run.accum * g.dp_size / elapsed,
             "peak_mem_gib": device_peak_gib(device), "lr": run.engine.get_lr()[0], "skipped": skipped}
 
 

@@ -29,8 +29,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..data.sources import trainable_tokens
 from .faults import NonFiniteError
-from .loop import forward_backward
+from .loop import accumulate
 
 BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
 FP32_LIMIT = 1e-4  # relative: reduction order, chunked loss and partitioned gradients in fp32
@@ -125,8 +126,8 @@ def _no_init_weights():
 
 def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
                    device: torch.device) -> tuple[float, dict, dict]:
-    """Plain transformers on `weights`: the mean over `batches` of each batch's mean token loss, the gradient of
-    that mean (fp32, CPU) and the model's own buffers. Gradient checkpointing bounds the memory; it recomputes the
+    """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
+    (fp32, CPU) and the model's own buffers. Gradient checkpointing bounds the memory; it recomputes the
     same ops."""
     from transformers import AutoModelForCausalLM
 
@@ -150,12 +151,13 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
             param.copy_(weights[name])
     model.to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    total = 0.0
-    for batch in batches:
+    total, counts = 0.0, [trainable_tokens(b) for b in batches]
+    for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
         out = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                     labels=batch["labels"].to(device), use_cache=False)
-        (out.loss / len(batches)).backward()
-        total += out.loss.item() / len(batches)
+        share = out.loss * (count / max(1, sum(counts)))  # transformers' loss is this batch's mean
+        share.backward()
+        total += share.item()
     grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
     buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
     del model
@@ -208,22 +210,16 @@ def _gather_grads(engine, rank: int) -> dict:
 
 def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     """The engine's forward and backward of step `step + 1`, every micro-step of it, without the optimizer step.
-    Returns the loss (mean over micro-steps and DP ranks, as the training loop logs it), the weights, buffers and
-    gradients on rank 0, and the whole batches of every DP rank (rank 0 runs the reference on all of them)."""
+    Returns the loss (the mean over the step's trainable tokens, as the training loop logs it), the weights,
+    buffers and gradients on rank 0, and the whole batches of every DP rank (rank 0 runs the reference on all of
+    them)."""
     g, rank = trainer.groups, trainer.rank
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
-    loss_sum = torch.zeros((), device=trainer.device)
-    for micro_step in range(trainer.accum):
-        loss, _, skipped = forward_backward(trainer, trainer.micro_batch(step, micro_step), step + 1)
-        if skipped:
-            raise NonFiniteError("--verify: the loss of the first step is not finite")
-        if micro_step < trainer.accum - 1:
-            trainer.engine.step()  # only advances the accumulation counter: this is not a boundary
-        loss_sum += loss
-    if g.dp_size > 1:
-        dist.all_reduce(loss_sum, group=g.dp_group)
-    loss = loss_sum.item() / (trainer.accum * g.dp_size)
+    loss, _, skipped = accumulate(trainer, step + 1, finish=False)
+    if skipped:
+        raise NonFiniteError("--verify: the loss of the first step is not finite")
+    loss = loss.item()
     grads = _gather_grads(trainer.engine, rank)
     batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
     return loss, weights, buffers, grads, batches
