@@ -40,7 +40,7 @@ def three_head_config(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag",
-                                  "dataset_too_short", "missing_column"])
+                                  "dataset_too_short", "missing_column", "output_dir_is_a_file"])
 def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("short text")
@@ -58,8 +58,10 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
         "dataset_too_short": (["--dataset", str(tmp_path / "books")] + data,
                               "the dataset has 11 tokens, fewer than one sample of --seq_len 64"),
         "missing_column": (["--dataset", str(tmp_path / "rows.jsonl")] + data, "no 'text' column"),
+        "output_dir_is_a_file": (["--output_dir", str(tmp_path / "rows.jsonl")],
+                                 f"--output_dir {tmp_path / 'rows.jsonl'} is a file, not a folder"),
     }[case]
-    results = run_ranks(2, args)
+    results = run_ranks(2, ["--output_dir", str(tmp_path / "out")] + args)  # the last --output_dir wins
     assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]
     assert expected in results[0].stderr
     assert "Traceback" not in results[0].stderr

@@ -1,6 +1,7 @@
 """`launch/train.py`: parse the flags, build the run, train it (or `--verify` it), and exit with a code that says
-how it ended: 0 done, 1 an unexpected error (that rank's traceback), 2 a setting to change, 3 a non-finite loss or
-a checkpoint that could not be written."""
+how it ended: 0 done (or nothing left to do), 1 an unexpected error (that rank's traceback), 2 a setting to change
+(also an unwritable --output_dir, or resume settings that differ from the checkpoint's), 3 a non-finite loss or a
+checkpoint that could not be written or is damaged."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import traceback
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from .checkpoint import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from .config import parse_args
 from .faults import NonFiniteError
 from .launcher import exit_now, normalise_launcher_env
 from .loop import train
+from .resume import NothingToDo
 from .trainer import Trainer
 
 
@@ -54,6 +55,10 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         code = _run(cfg, explicit, rank)
+    except NothingToDo as e:  # the checkpoint is already at --steps: every rank knows it, rank 0 says it
+        if rank == 0:
+            print(e, flush=True)
+        code = 0
     except ConfigError as e:
         # every rank hits the same check; one message is enough, every rank exits non-zero
         if rank == 0:
