@@ -101,6 +101,8 @@ def main():
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, explicit = parse_args(argv[split + 1:])
+    if "save_final" not in explicit:  # a benchmark's weights are not worth a save that would take its time
+        cfg.save_final = False
     normalise_launcher_env()
     if torch.cuda.is_available():  # each rank measures its own GPU (before the trainer sets it, all used GPU 0)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

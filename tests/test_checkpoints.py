@@ -139,7 +139,8 @@ def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
     assert "SIGTERM received" in results[0][0] + results[0][1] and stopped_at >= 2
     total = stopped_at + 2
     base = ["--seq_len", "128", "--steps", str(total), "--lr", "3e-3"]
-    subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(out), "--resume", "auto"],
+    subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(out), "--resume", "auto",
+                                                          "--resume_override", "steps"],
                    cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
     subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(tmp_path / "straight")],
                    cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)

@@ -40,7 +40,8 @@ def three_head_config(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag",
-                                  "dataset_too_short", "missing_column", "corrupt_dataset", "missing_model"])
+                                  "dataset_too_short", "missing_column", "corrupt_dataset", "missing_model",
+                                  "output_dir_is_a_file"])
 def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("short text")
@@ -63,8 +64,10 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
         "corrupt_dataset": (["--dataset", str(tmp_path / "cut.jsonl")] + data,
                             f"--dataset {tmp_path / 'cut.jsonl'} cannot be read"),
         "missing_model": (["--model", str(tmp_path / "no_model")], f"--model {tmp_path / 'no_model'}: no such file"),
+        "output_dir_is_a_file": (["--output_dir", str(tmp_path / "rows.jsonl")],
+                                 f"--output_dir {tmp_path / 'rows.jsonl'} is a file, not a folder"),
     }[case]
-    results = run_ranks(2, args)
+    results = run_ranks(2, ["--output_dir", str(tmp_path / "out")] + args)  # the last --output_dir wins
     assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]
     assert expected in results[0].stderr
     assert "Traceback" not in results[0].stderr

@@ -78,6 +78,8 @@ def test_sp2_matches_single_process_under_deepspeed_torchrun_and_accelerate(tmp_
     run([sys.executable], [], tmp_path / "single")
     ds = run(deepspeed_launcher(2), [], tmp_path / "ds_sp2")  # sp_size defaults to the ranks on the node
     assert "dp 1 x sp 2" in ds.stdout
+    # --save_final (on by default): a finished run leaves its weights even without --save_steps
+    assert (tmp_path / "ds_sp2" / "checkpoints" / "step_00000004" / "COMPLETE").exists()
     run(torchrun_launcher(2), ["--sp_size", "2"], tmp_path / "torchrun_sp2")
     run(accelerate_launcher(2), ["--sp_size", "2"], tmp_path / "accelerate_sp2")
     single = metrics(tmp_path / "single")

@@ -1,10 +1,12 @@
 """`launch/train.py`: parse the flags, build the run, train it (or `--verify` it), and exit with a code that says
 how it ended, with one message, once:
 
-    0  done (or stopped by SIGTERM / the launcher going away, after saving)
+    0  done (or stopped by SIGTERM / the launcher going away, after saving; or nothing left to do)
     1  --verify outside tolerance
-    2  a setting, path or data to change (ConfigError), printed by rank 0
-    3  anything else: a non-finite loss, a checkpoint that could not be written, a frozen rank, an unexpected error
+    2  a setting, path or data to change (ConfigError: also an unwritable --output_dir, or resume settings that
+       differ from the checkpoint's), printed by rank 0
+    3  anything else: a non-finite loss, a checkpoint that could not be written or is damaged, a frozen rank, an
+       unexpected error
        (named with its rank; the traceback goes to <output_dir>/errors/rank_N.txt, and to the terminal with --debug)
   130  Ctrl-C before training started, or a second Ctrl-C
 
@@ -20,12 +22,12 @@ import traceback
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from .checkpoint import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from .config import parse_args
 from .faults import Interrupted, NonFiniteError
 from .launcher import exit_now, normalise_launcher_env
 from .loop import train
+from .resume import NothingToDo
 from .trainer import Trainer
 
 # what a rank sees when another rank died or left first: the other rank's own message says why
@@ -88,6 +90,10 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         code = _run(cfg, explicit, rank)
+    except NothingToDo as e:  # the checkpoint is already at --steps: every rank knows it, rank 0 says it
+        if rank == 0:
+            print(e, flush=True)
+        code = 0
     except ConfigError as e:
         # every rank hits the same check; one message is enough, every rank exits non-zero
         if rank == 0:

@@ -118,10 +118,19 @@ class TrainConfig:
     # ---- DeepSpeed / output ----
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
                         "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
-    save_steps: int = _f(0, "Save a checkpoint every N optimizer steps and at the end (0: only on SIGTERM).")
-    save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints.")
-    resume: Optional[str] = _f(None, "auto: continue from the newest complete checkpoint in <output_dir> (start "
-                                     "fresh if there is none); or a checkpoint path.")
+    save_steps: int = _f(0, "Save a checkpoint every N optimizer steps (0: only the final one and on SIGTERM).")
+    save_final: bool = _f(True, "Save a checkpoint after the last step, so that a finished run leaves its weights.")
+    save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints (the one just written "
+                                               "always among them).")
+    resume: Optional[str] = _f(None, "auto: continue from the newest intact checkpoint in <output_dir> (start "
+                                     "fresh if there is none); or a checkpoint path (a rollback: the newer "
+                                     "checkpoints move to <output_dir>/checkpoints/abandoned/).")
+    resume_override: Optional[str] = _f(None, "Comma-separated settings that may differ from the resumed "
+                                              "checkpoint's, e.g. lr,steps (the new values apply; the lr schedule "
+                                              "becomes the one the new flags give). Without it a setting that "
+                                              "changes what is trained is an error naming each difference.")
+    overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds another run's checkpoints: "
+                                           "removes its checkpoints/, metrics.jsonl and tensorboard/.")
     skip_nonfinite: bool = _f(False, "Skip an optimizer step whose loss is NaN/inf instead of stopping the run "
                                      "(needs --grad_accum 1).")
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
@@ -159,6 +168,7 @@ class TrainConfig:
             raise ConfigError(f"--dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
+        self._validate_resume()
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
         for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
@@ -179,6 +189,36 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def overrides(self) -> set[str]:
+        """The settings --resume_override names."""
+        return {name.strip() for name in (self.resume_override or "").split(",") if name.strip()}
+
+    def _validate_resume(self) -> None:
+        if self.resume_override and not self.resume:
+            raise ConfigError("--resume_override needs --resume (auto or a checkpoint path)")
+        if self.overwrite_output_dir and self.resume:
+            raise ConfigError("--overwrite_output_dir starts afresh: it cannot be combined with --resume")
+        names = {f.name for f in dataclasses.fields(self)}
+        for name in sorted(self.overrides()):
+            if name not in names:
+                raise ConfigError(f"--resume_override {name}: no such setting (give flag names without --, "
+                                  f"e.g. lr,steps)")
+            if name in FREE_SETTINGS:
+                raise ConfigError(f"--resume_override {name}: {name} never needs an override (it does not change "
+                                  f"what is trained)")
+
+
+# Settings that do not change what is trained: a resumed run may change them freely. Every other flag alters the
+# weights, the data or the schedule, so changing it on resume needs --resume_override (train/resume.py); a new flag
+# belongs here only if that is clearly not so. sp_size is checked apart (the ZeRO shards are per data-parallel rank).
+FREE_SETTINGS = frozenset({
+    "output_dir", "save_steps", "save_final", "save_total_limit", "resume", "resume_override",
+    "overwrite_output_dir", "log_every", "tensorboard", "profile_memory", "num_proc", "data_cache_dir", "verify",
+    "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp",
+    # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
+    "attn_kernel", "gradient_checkpointing", "attn_recompute", "tiled_mlp", "mlp_tile_tokens",
+    "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size"})
 
 
 def _str2bool(value: str) -> bool:

@@ -88,7 +88,8 @@ def train_step(run, step: int) -> dict:
 
 
 def train(run) -> list[dict]:
-    """Steps from the one after the resumed checkpoint to --steps; saves every --save_steps and on SIGTERM."""
+    """Steps from the one after the resumed checkpoint to --steps; saves every --save_steps, after the last step
+    (--save_final) and on SIGTERM."""
     cfg, history, stop = run.cfg, [], run.stop
     stop.armed = True
     if stop.agreed(run.device):  # stopped while starting up (the launcher went away): nothing trained, nothing to save
@@ -105,7 +106,7 @@ def train(run) -> list[dict]:
                                 "host_offload_gib": run.offload.peak_host_bytes / 2**30 if run.offload else 0.0})
             if record["skipped"]:
                 logger.write(f"step {step}: non-finite loss, step skipped (--skip_nonfinite)")
-            saved = cfg.save_steps and (step % cfg.save_steps == 0 or step == cfg.steps)
+            saved = bool(cfg.save_steps and step % cfg.save_steps == 0) or (step == cfg.steps and cfg.save_final)
             if saved:
                 run.save(step)
             if stop.agreed(run.device):

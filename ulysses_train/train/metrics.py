@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 from typing import Optional
 
 import torch
@@ -29,6 +30,25 @@ def device_peak_gib(device: torch.device) -> float:
     return host_peak_gib()
 
 
+def records_up_to(path: str, step: int) -> list[str]:
+    """The lines of metrics file `path` up to `step`. A crash can leave the last line half written: it is dropped
+    with a warning (as is any other line that is not a JSON record), so that it never blocks a resume."""
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            step_of_line = record["step"]
+        except (ValueError, TypeError, KeyError):
+            where = "partial last line" if number == len(lines) else f"unreadable line {number}"
+            print(f"warning: {path}: dropped its {where} ({line.strip()[:60]!r})", file=sys.stderr, flush=True)
+            continue
+        if step_of_line <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, tensorboard: bool = False,
                  log_every: int = 1, start_step: int = 0):
@@ -41,8 +61,7 @@ class MetricsLogger:
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "metrics.jsonl")
         if start_step and os.path.exists(path):  # resuming: keep the steps before the checkpoint, drop later ones
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            kept = records_up_to(path, start_step)
             with open(path, "w") as f:
                 f.writelines(kept)
         self.file = open(path, "a" if start_step else "w")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -33,8 +34,10 @@ from ..sp import dims
 from ..sp.attention import register_ulysses_attention
 from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
 from ..sp.kernels import resolve_kernel
-from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
+from .resume import apply_schedule, plan_run, training_settings
+from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
 from .launcher import exit_now
@@ -108,11 +111,17 @@ class Trainer:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
-        self.ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, parallel.dp_size, sp_size,
-                                    self.model_config.hidden_size, use_bf16, cfg.model is None)
+        raw_ds = load_ds_config(cfg.ds_config)
+        self.ds = resolve_ds_config(raw_ds, cfg, explicit, parallel.dp_size, sp_size, self.model_config.hidden_size,
+                                    use_bf16, cfg.model is None)
         self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
         if cfg.skip_nonfinite and self.accum > 1:
             raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
+        self.lr = resolved_lr(self.ds, cfg, cfg.model is None)
+        self.settings = self._training_settings(raw_ds, use_bf16)
+        # before the data and the model: a run that cannot write, or must not start, stops in seconds
+        self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds, self.rank,
+                             self.log, self.warn)
 
         self.groups = SequenceParallelGroups(sp_size)
         self.tokenizer, self.source = self._prepare_data()
@@ -135,6 +144,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- building
 
+    def _training_settings(self, raw_ds: dict, use_bf16: bool) -> dict:
+        """What this run trains, as resolved (saved in each checkpoint, compared on resume: resume.py)."""
+        return training_settings(self.cfg, {
+            "lr": self.lr, "micro_batch_size": self.micro, "grad_accum": self.accum,
+            "max_grad_norm": self.ds["gradient_clipping"], "dtype": "bf16" if use_bf16 else "fp32",
+            "ds_config": raw_ds})
+
     def _build_model(self):
         """The HF model with the levers the policy resolves for --seq_len, installed by model/surgery.py."""
         cfg = self.cfg
@@ -156,7 +172,7 @@ class Trainer:
         cfg = self.cfg
         optimizer = scheduler = None
         if "optimizer" not in self.ds:
-            optimizer = torch.optim.AdamW(self.module.parameters(), lr=resolved_lr(self.ds, cfg, cfg.model is None),
+            optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.lr,
                                           betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
                                           fused=self.device.type == "cuda")
         if "scheduler" not in self.ds:
@@ -188,14 +204,19 @@ class Trainer:
         return lock
 
     def _resume(self) -> int:
-        self.resume_from = resolve_resume(self.cfg.resume, self.cfg.output_dir)
+        """Loads the checkpoint the plan chose (resume.py), puts the lr schedule on this run's flags, and makes the
+        checkpoint's line the current one (newer checkpoints moved aside: run_folder.py)."""
+        self.resume_from = self.plan.checkpoint
         if not self.resume_from:
             return 0
         state = load_checkpoint(self.engine, self.resume_from, self.rank)
-        if state["dp_size"] != self.groups.dp_size or state["sp_size"] != self.groups.sp_size:
-            raise ConfigError(f"{self.resume_from} was saved with dp {state['dp_size']} x sp {state['sp_size']}; "
-                              f"resume with the same world size and --sp_size")
-        self.log(f"resumed from {self.resume_from} at step {state['step']}")
+        if "scheduler" not in self.ds:  # ours (warmup_cosine); a DS-config scheduler keeps its own state
+            apply_schedule(self.engine.lr_scheduler, self.lr)
+        if self.rank == 0 and not self.cfg.verify:
+            abandon_newer(self.cfg.output_dir, self.resume_from, self.log)
+        dist.barrier()
+        overridden = f" with {', '.join(self.plan.overridden)} (--resume_override)" if self.plan.overridden else ""
+        self.log(f"resumed from {self.resume_from} at step {state['step']}{overridden}")
         return state["step"]
 
     def _prepare_data(self):
@@ -244,6 +265,10 @@ class Trainer:
         if self.rank == 0:
             print(message, flush=True)
 
+    def warn(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
     def describe_levers(self) -> str:
         lv, counts = self.levers, self.surgery.counts
         fused = (f"{counts['RMSNorm'][0]} norms, {counts['rotary'][0]} rotary, {counts['SwiGLU'][0]} SwiGLU"
@@ -274,7 +299,7 @@ class Trainer:
     def save(self, step: int) -> str:
         state = {"step": step, "data_position": step * self.accum * self.groups.dp_size * self.micro,
                  "seed": self.cfg.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "settings": self.settings}
         path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
                                self.rank, self.cfg.save_total_limit)
         self.log(f"saved checkpoint {path}")

@@ -1,0 +1,346 @@
+"""Checkpoint files without a launch: manifests, the choice of checkpoint to resume from, pruning, the output
+folder (writability, a previous run, a rollback), settings compared on resume, metrics repair. Checkpoints here are
+folders of small files laid out like real ones; `save_checkpoint` runs on a real ZeRO-3 engine in two processes."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from ulysses_train.errors import CheckpointError, ConfigError
+from ulysses_train.train import checkpoint, manifest, resume, run_folder
+from ulysses_train.train.config import TrainConfig, parse_args
+
+SHARD = os.path.join("ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
+
+
+def fake_checkpoint(output_dir, step, config=None, with_manifest=True):
+    """A complete checkpoint folder as save_checkpoint leaves it, with small stand-in files."""
+    folder = os.path.join(output_dir, "checkpoints", f"step_{step:08d}")
+    os.makedirs(os.path.join(folder, "ds"))
+    for rank in range(2):
+        with open(os.path.join(folder, "ds", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(os.urandom(3000))
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump({"step": step, "dp_size": 1, "sp_size": 2, "config": config or TrainConfig().to_dict()}, f)
+    if with_manifest:
+        manifest.write_manifest(folder)
+    with open(os.path.join(folder, checkpoint.COMPLETE), "w") as f:
+        f.write(manifest.complete_marker(step) if with_manifest else f"{step}\n")  # before manifests: the step
+    with open(os.path.join(output_dir, "checkpoints", checkpoint.LATEST), "w") as f:
+        f.write(os.path.basename(folder) + "\n")
+    return folder
+
+
+def read_only(path):
+    """Makes `path` unwritable, also for root (chattr +i where chmod is not enough); skips if impossible."""
+    os.chmod(path, 0o555)
+    try:
+        open(os.path.join(path, ".probe"), "w").close()
+    except OSError:
+        return lambda: os.chmod(path, 0o755)
+    os.remove(os.path.join(path, ".probe"))
+    if subprocess.run(["chattr", "+i", path], capture_output=True).returncode != 0:
+        os.chmod(path, 0o755)
+        pytest.skip("cannot make a folder read-only here (root without chattr)")
+    return lambda: (subprocess.run(["chattr", "-i", path]), os.chmod(path, 0o755))
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def test_manifest_names_a_missing_truncated_or_changed_file(tmp_path):
+    folder = fake_checkpoint(str(tmp_path), 4)
+    assert manifest.damage(folder) is None
+    shard = os.path.join(folder, SHARD)
+    data = open(shard, "rb").read()
+    open(shard, "wb").write(data[:100])
+    assert manifest.damage(folder) == f"{SHARD} has 100 bytes, the manifest says 3000 (truncated or overwritten)"
+    open(shard, "wb").write(data[:1500] + bytes([data[1500] ^ 1]) + data[1501:])
+    assert manifest.damage(folder) == f"{SHARD} does not match its hash in the manifest"
+    os.remove(shard)
+    assert manifest.damage(folder) == f"{SHARD} is missing"
+    with pytest.raises(CheckpointError, match=f"{folder} is damaged: {SHARD} is missing"):
+        manifest.verify_checkpoint(folder)
+    os.remove(os.path.join(folder, manifest.MANIFEST))  # COMPLETE says there was one
+    assert manifest.damage(folder) == "MANIFEST.json is missing"
+
+
+def test_large_files_are_hashed_in_samples_that_catch_a_zeroed_stretch(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "FULL_HASH_BYTES", 1 << 20)
+    monkeypatch.setattr(manifest, "EDGE_BYTES", 64 << 10)
+    monkeypatch.setattr(manifest, "SAMPLE_BYTES", 4 << 10)
+    path = tmp_path / "big.pt"
+    data = bytearray(os.urandom(8 << 20))
+    path.write_bytes(data)
+    digest = manifest.file_digest(str(path))
+    data[3 << 20:4 << 20] = bytes(1 << 20)  # a zero-filled MiB in the middle, as a crash can leave
+    path.write_bytes(data)
+    assert manifest.file_digest(str(path)) != digest
+
+
+def test_a_truncated_trainer_state_is_named(tmp_path):
+    folder = fake_checkpoint(str(tmp_path), 2, with_manifest=False)  # no manifest: the JSON itself is checked
+    state = os.path.join(folder, "trainer_state.json")
+    open(state, "w").write('{"step": 2, "dp_')
+    with pytest.raises(CheckpointError, match=f"{state} is not valid JSON"):
+        checkpoint.read_trainer_state(folder)
+
+
+# ---------------------------------------------------------------- which checkpoint to resume from
+
+
+def test_auto_falls_back_to_the_newest_intact_checkpoint_with_a_warning(tmp_path):
+    out = str(tmp_path)
+    fake_checkpoint(out, 2)
+    newest = fake_checkpoint(out, 4)
+    os.remove(os.path.join(newest, SHARD))
+    warnings = []
+    assert checkpoint.resolve_resume("auto", out, warnings.append) == os.path.join(out, "checkpoints",
+                                                                                  "step_00000002")
+    assert warnings == [f"{newest} is damaged ({SHARD} is missing); resuming from the newest intact checkpoint, "
+                        f"{os.path.join(out, 'checkpoints', 'step_00000002')}"]
+    with pytest.raises(CheckpointError, match=f"{SHARD} is missing"):
+        checkpoint.resolve_resume(newest, out, warnings.append)
+
+
+def test_auto_with_only_damaged_checkpoints_stops_instead_of_starting_over(tmp_path):
+    out = str(tmp_path)
+    only = fake_checkpoint(out, 2)
+    os.remove(os.path.join(only, SHARD))
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+        checkpoint.resolve_resume("auto", out, lambda message: None)
+
+
+def test_auto_ignores_a_stale_latest_and_abandoned_checkpoints(tmp_path):
+    out = str(tmp_path)
+    fake_checkpoint(out, 2)
+    fake_checkpoint(out, 3)
+    with open(os.path.join(out, "checkpoints", "latest"), "w") as f:
+        f.write("step_00000009\n")  # names a folder that is gone
+    os.makedirs(os.path.join(out, "checkpoints", "abandoned", "rollback_to_step_00000001"))
+    fake_checkpoint(os.path.join(out, "checkpoints", "abandoned", "rollback_to_step_00000001"), 7)
+    assert checkpoint.resolve_resume("auto", out, print).endswith("step_00000003")
+
+
+# ---------------------------------------------------------------- pruning
+
+
+def test_pruning_keeps_the_checkpoint_just_written_and_never_touches_newer_ones(tmp_path):
+    out = str(tmp_path)
+    for step in (1, 2, 3, 5):
+        fake_checkpoint(out, step)
+    removed = checkpoint.prune_checkpoints(out, keep=2, saved_step=3)
+    assert [os.path.basename(p) for p in removed] == ["step_00000001"]
+    assert sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_")) == [
+        "step_00000002", "step_00000003", "step_00000005"]
+    checkpoint.prune_checkpoints(out, keep=1, saved_step=3)
+    assert sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_")) == [
+        "step_00000003", "step_00000005"]
+
+
+# ---------------------------------------------------------------- the output folder
+
+
+def test_an_output_folder_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "out"
+    target.write_text("")
+    with pytest.raises(ConfigError, match=f"--output_dir {target} is a file"):
+        run_folder.check_writable(str(target))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")
+    with pytest.raises(ConfigError, match="checkpoints is not a folder"):
+        run_folder.check_writable(str(tmp_path / "run"))
+    run_folder.check_writable(str(tmp_path / "new" / "deeper"))  # created later, under a writable parent
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_read_only_checkpoints_folder_is_refused_naming_the_untouched_checkpoint(tmp_path):
+    previous = fake_checkpoint(str(tmp_path), 2)
+    restore = read_only(str(tmp_path / "checkpoints"))
+    try:
+        with pytest.raises(ConfigError) as error:
+            run_folder.check_writable(str(tmp_path))
+    finally:
+        restore()
+    assert f"cannot write to {tmp_path / 'checkpoints'}" in str(error.value)
+    assert f"the previous checkpoint {previous} is untouched" in str(error.value)
+
+
+def test_a_fresh_run_into_a_used_folder_is_refused_unless_overwritten(tmp_path):
+    out = str(tmp_path)
+    fake_checkpoint(out, 2)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="--resume auto.*--overwrite_output_dir"):
+        run_folder.claim_for_fresh_run(out, overwrite=False, log=print)
+    assert os.path.exists(os.path.join(out, "checkpoints", "step_00000002"))
+    run_folder.claim_for_fresh_run(out, overwrite=True, log=print)
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_a_rollback_moves_newer_checkpoints_and_the_metrics_aside(tmp_path):
+    out = str(tmp_path)
+    resumed = fake_checkpoint(out, 2)
+    fake_checkpoint(out, 4)
+    fake_checkpoint(out, 6)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    aside = run_folder.abandon_newer(out, resumed, log=print)
+    assert aside == os.path.join(out, "checkpoints", "abandoned", "rollback_to_step_00000002")
+    assert sorted(os.listdir(aside)) == ["metrics.jsonl", "step_00000004", "step_00000006"]
+    assert listing_names(out) == ["step_00000002"]
+    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step_00000002"
+    fake_checkpoint(out, 3)  # a second rollback to the same step keeps the first one's folder
+    assert run_folder.abandon_newer(out, resumed, log=print) == aside + ".2"
+
+
+def listing_names(out):
+    return sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_"))
+
+
+# ---------------------------------------------------------------- settings compared on resume
+
+
+def settings_of(argv):
+    cfg, _ = parse_args(argv)
+    return cfg, resume.training_settings(cfg, {"lr": cfg.lr or 1e-3, "micro_batch_size": 1, "grad_accum": 1,
+                                               "max_grad_norm": 1.0, "dtype": "fp32", "ds_config": {}})
+
+
+def saved_state(argv, step=3):
+    cfg, settings = settings_of(argv)
+    return {"step": step, "config": cfg.to_dict(), "settings": settings}
+
+
+def test_changed_training_settings_are_refused_naming_each_difference():
+    state = saved_state(["--seq_len", "256", "--lr", "3e-3"])
+    cfg, settings = settings_of(["--seq_len", "512", "--lr", "1e-3", "--seed", "5", "--save_steps", "7",
+                                 "--log_every", "3", "--resume", "auto"])
+    with pytest.raises(ConfigError) as error:
+        resume.compare_settings(state, cfg, settings, "ckpt/step_00000003")
+    message = str(error.value)
+    assert "lr 0.003 -> 0.001" in message and "seq_len 256 -> 512" in message and "seed 0 -> 5" in message
+    assert "--resume_override lr,seed,seq_len" in message
+    assert "save_steps" not in message and "log_every" not in message
+
+
+def test_overridden_settings_are_applied_and_free_ones_need_no_override():
+    state = saved_state(["--lr", "3e-3", "--steps", "4"])
+    cfg, settings = settings_of(["--lr", "1e-3", "--steps", "8", "--resume_override", "lr,steps",
+                                 "--save_total_limit", "2", "--resume", "auto"])
+    overridden, free = resume.compare_settings(state, cfg, settings, "ckpt")
+    assert overridden == {"lr": "lr 0.003 -> 0.001", "steps": "steps 4 -> 8"}
+    assert free == ["save_total_limit None -> 2"]  # resume and resume_override differ by nature: not listed
+
+
+def test_an_lr_equal_to_the_old_default_is_no_change():
+    state = saved_state([])  # lr resolved to 1e-3 for random init
+    cfg, settings = settings_of(["--lr", "1e-3", "--resume", "auto"])
+    assert resume.compare_settings(state, cfg, settings, "ckpt")[0] == {}
+
+
+def test_every_setting_the_issue_names_needs_an_override_and_overrides_are_checked():
+    for name in ("model", "model_config", "num_layers", "dataset", "dataset_split", "text_column", "tokenizer",
+                 "seq_len", "packing", "seed", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "steps",
+                 "dtype", "loss", "rope_scaling", "rope_factor", "micro_batch_size", "grad_accum", "max_grad_norm",
+                 "ds_config"):
+        assert name not in resume.FREE_SETTINGS, name
+    with pytest.raises(ConfigError, match="--resume_override save_steps: save_steps never needs an override"):
+        parse_args(["--resume", "auto", "--resume_override", "save_steps"])[0].validate()
+    with pytest.raises(ConfigError, match="--resume_override needs --resume"):
+        parse_args(["--resume_override", "lr"])[0].validate()
+    with pytest.raises(ConfigError, match="--overwrite_output_dir starts afresh"):
+        parse_args(["--resume", "auto", "--overwrite_output_dir"])[0].validate()
+
+
+def test_the_plan_says_nothing_to_do_and_refuses_schedule_overrides_under_a_ds_config_scheduler(tmp_path):
+    out = str(tmp_path)
+    path = fake_checkpoint(out, 2, config=TrainConfig(steps=2).to_dict())  # saved before resolved settings were
+
+    def decide(argv, own_scheduler=True):
+        cfg, _ = parse_args(["--output_dir", out, "--resume", path] + argv)
+        return resume._decide(cfg, resume.training_settings(cfg, {}), 1, 2, own_scheduler, print, print)
+
+    with pytest.raises(resume.NothingToDo, match=f"nothing to do: {path} is at step 2 of --steps 2"):
+        decide(["--steps", "2"])
+    with pytest.raises(ConfigError, match=r"--resume_override lr: the scheduler of --ds_config"):
+        decide(["--steps", "2", "--lr", "1e-3", "--resume_override", "lr"], own_scheduler=False)
+    plan = decide(["--steps", "4", "--resume_override", "steps"])
+    assert (plan.checkpoint, plan.step, plan.overridden) == (path, 2, ["steps 2 -> 4"])
+
+
+def test_the_schedule_follows_the_new_settings_from_the_resumed_step():
+    from ulysses_train.train.trainer import warmup_cosine
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(4, 0, 0.1))
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    new = warmup_cosine(8, 0, 0.1)
+    scheduler.lr_lambdas = [new]
+    resume.apply_schedule(scheduler, 1e-3)
+    assert optimizer.param_groups[0]["lr"] == 1e-3 * new(2) == scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 1e-3 * new(3)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, capsys):
+    from ulysses_train.train.metrics import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
+    with MetricsLogger(str(tmp_path), 5, True, start_step=2):
+        pass
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
+    assert "partial last line" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- save_checkpoint on a real engine
+
+
+def _save_twice(rank, world, out):
+    """Saves step 1, makes checkpoints/ read-only (rank 0), saves step 2: what each rank raised."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
+          "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=ds)
+    state = {"step": 1, "dp_size": world, "sp_size": 1, "config": {}}
+    first = checkpoint.save_checkpoint(engine, out, 1, state, model.config, None, rank)
+    assert manifest.damage(first) is None
+    restore = read_only(os.path.join(out, "checkpoints")) if rank == 0 else None
+    torch.distributed.barrier()
+    try:
+        checkpoint.save_checkpoint(engine, out, 2, dict(state, step=2), model.config, None, rank)
+        return "saved"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        torch.distributed.barrier()
+        if restore:
+            restore()
+
+
+def test_an_unwritable_save_fails_on_every_rank_naming_the_untouched_checkpoint(tmp_path):
+    restore = read_only(str(tmp_path))  # skips here, before starting processes, where that is impossible
+    restore()
+    results = run_distributed(_save_twice, 2, str(tmp_path), use_deepspeed=True)
+    previous = os.path.join(str(tmp_path), "checkpoints", "step_00000001")
+    for message in results:
+        assert "saving checkpoint step_00000002 failed" in message
+        assert f"the previous checkpoint {previous} is untouched" in message
+    assert listing_names(str(tmp_path)) == ["step_00000001"]

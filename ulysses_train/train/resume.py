@@ -1,0 +1,139 @@
+"""Where a run starts: the checkpoint it resumes from and whether its settings may continue that checkpoint.
+
+Rank 0 decides, before the model is built, and tells every rank (one message, the same exception everywhere):
+the output folder must be writable (run_folder.py); `--resume` resolves to a checkpoint whose files match its
+manifest (checkpoint.py); a fresh run may not start in a folder holding another run's checkpoints; and a resumed
+run's settings are compared with those saved in the checkpoint's trainer_state.json.
+
+A setting that alters what is trained (every flag but FREE_SETTINGS) and differs from the checkpoint's is a
+ConfigError naming each difference (old -> new) unless `--resume_override` names it; an override is then applied.
+The learning-rate schedule is a pure function of the step and the flags (--lr, --steps, --warmup_steps,
+--min_lr_ratio): a resumed run follows the schedule of a run launched with its own flags, from the resumed step
+on. With unchanged flags that is exactly the schedule the checkpoint was on; with a new --steps the lr jumps to
+the new schedule's value at that step (extending a finished cosine from 100 to 200 steps takes the lr from its
+floor back to the middle of the longer cosine, about 55% of --lr with the defaults: pass a lower --lr as well to
+continue lower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError, ConfigError
+from .checkpoint import read_trainer_state, resolve_resume
+from .config import FREE_SETTINGS, TrainConfig
+from .run_folder import check_writable, claim_for_fresh_run
+
+SCHEDULE_SETTINGS = ("lr", "steps", "warmup_steps", "min_lr_ratio")
+LAUNCH_ONLY = ("resume", "resume_override", "overwrite_output_dir")  # differ between launches by nature
+
+__all__ = ["FREE_SETTINGS", "NothingToDo", "ResumePlan", "apply_schedule", "compare_settings", "plan_run",
+           "training_settings"]
+
+
+class NothingToDo(Exception):
+    """The checkpoint is already at or past --steps; the message says so and the run exits 0."""
+
+
+@dataclass
+class ResumePlan:
+    checkpoint: Optional[str] = None  # None: a fresh run
+    step: int = 0
+    overridden: list[str] = field(default_factory=list)
+
+
+def training_settings(cfg: TrainConfig, resolved: dict) -> dict:
+    """The settings that alter what is trained, as this run resolves them. Flags with derived defaults (lr, micro
+    batch, accumulation, clipping, dtype) take their resolved values, so that `--lr 1e-3` over a run that defaulted
+    to 1e-3 is no change; ds_config is the JSON's content, so a moved file with the same content is none either."""
+    settings = {name: value for name, value in cfg.to_dict().items() if name not in FREE_SETTINGS}
+    return settings | resolved
+
+
+def _show(name: str, value, config: dict) -> str:
+    if name == "ds_config":  # the content differs; show the paths
+        return str(config.get("ds_config"))
+    return str(value)
+
+
+def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: str) -> tuple[dict, list[str]]:
+    """Raises ConfigError for training settings that differ from the checkpoint's and are not overridden. Returns
+    the overridden differences ({name: "name old -> new"}) and the changed free settings ("name old -> new")."""
+    old_config, new_config = state.get("config", {}), cfg.to_dict()
+    if "settings" in state:
+        old, new = state["settings"], settings
+    else:  # saved before resolved settings were: compare the flags as typed
+        old = {name: old_config[name] for name in settings if name in old_config}
+        new = {name: new_config[name] for name in old}
+    changed = sorted(name for name in new if name in old and old[name] != new[name])
+    describe = {name: f"{name} {_show(name, old[name], old_config)} -> {_show(name, new[name], new_config)}"
+                for name in changed}
+    overrides = cfg.overrides()
+    refused = [name for name in changed if name not in overrides]
+    if refused:
+        raise ConfigError(f"{checkpoint} was trained with other settings: "
+                          f"{', '.join(describe[name] for name in refused)}. These change what is trained: to apply "
+                          f"them pass --resume_override {','.join(changed)}; to continue as before, restore the "
+                          f"old values")
+    free = [f"{name} {old_config[name]} -> {new_config[name]}" for name in sorted(FREE_SETTINGS)
+            if name in old_config and name not in LAUNCH_ONLY and old_config[name] != new_config[name]]
+    return describe, free
+
+
+def _decide(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_scheduler: bool,
+            log: Callable[[str], None], warn: Callable[[str], None]) -> ResumePlan:
+    check_writable(cfg.output_dir)
+    path = resolve_resume(cfg.resume, cfg.output_dir, warn)
+    if path is None:
+        if not cfg.resume and not cfg.verify:  # (--resume auto in a folder without checkpoints starts afresh)
+            claim_for_fresh_run(cfg.output_dir, cfg.overwrite_output_dir, log)
+        if cfg.resume_override:
+            log(f"no checkpoint in {cfg.output_dir} to resume from: starting afresh, --resume_override unused")
+        return ResumePlan()
+    state = read_trainer_state(path)
+    if (state["dp_size"], state["sp_size"]) != (dp_size, sp_size):
+        raise ConfigError(f"{path} was saved with dp {state['dp_size']} x sp {state['sp_size']}; resume with the "
+                          f"same world size and --sp_size")
+    overridden, free = compare_settings(state, cfg, settings, path)
+    scheduled = [name for name in overridden if name in SCHEDULE_SETTINGS]
+    if scheduled and not own_scheduler:
+        raise ConfigError(f"--resume_override {','.join(scheduled)}: the scheduler of "
+                          f"--ds_config {cfg.ds_config} sets the learning rate; remove its \"scheduler\" block so "
+                          f"that the flags set the schedule")
+    if state["step"] >= cfg.steps and not cfg.verify:
+        raise NothingToDo(f"nothing to do: {path} is at step {state['step']} of --steps {cfg.steps}")
+    if free:
+        log(f"changed since {path} (they do not alter training): {', '.join(free)}")
+    return ResumePlan(path, state["step"], list(overridden.values()))
+
+
+def plan_run(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_scheduler: bool, rank: int,
+             log: Callable[[str], None], warn: Callable[[str], None]) -> ResumePlan:
+    """Collective: rank 0 decides (module docstring) and every rank returns its plan or raises its error."""
+    plan, error = None, None
+    if rank == 0:
+        try:
+            plan = _decide(cfg, settings, dp_size, sp_size, own_scheduler, log, warn)
+        except (ConfigError, CheckpointError, NothingToDo) as e:
+            error = (type(e).__name__, str(e))
+    message = [plan, error]
+    dist.broadcast_object_list(message, src=0)
+    plan, error = message
+    if error:
+        raise {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "NothingToDo": NothingToDo}[
+            error[0]](error[1])
+    return plan
+
+
+def apply_schedule(scheduler, lr: float) -> None:
+    """Puts a LambdaLR restored from a checkpoint on this run's schedule: its peak `lr` (the checkpoint's base_lrs
+    would win otherwise) and, for the next step, this run's lambda (built from its flags) at the resumed step.
+    With the checkpoint's own settings this recomputes the restored values exactly (the same products)."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    values = [lr * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+    for group, value in zip(scheduler.optimizer.param_groups, values):
+        group["initial_lr"], group["lr"] = lr, value
+    scheduler._last_lr = values
