@@ -18,6 +18,7 @@ import time
 from typing import Optional
 
 from ..errors import ConfigError
+from .run_folder import check_writable
 
 LOCK_NAME = ".lock"
 
@@ -30,6 +31,7 @@ class RunLock:
     def acquire(self) -> Optional[str]:
         """Takes the lock; returns a note when it takes over from a run that did not end cleanly. Raises a
         ConfigError naming the holder when a live run has it."""
+        check_writable(os.path.dirname(self.path))  # a file, or a read-only folder: named before anything else
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
