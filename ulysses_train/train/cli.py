@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ConfigError
 from .config import parse_args
-from .faults import Interrupted, NonFiniteError
+from .faults import Interrupted, NonFiniteError, StopFlag
 from .launcher import exit_now, normalise_launcher_env
 from .loop import train
 from .resume import NothingToDo
@@ -62,9 +62,19 @@ def _run(cfg, explicit: set[str], rank: int) -> int:
     return code
 
 
+def _peer_failure(error: BaseException) -> bool:
+    return any(t in str(error) for t in PEER_FAILURE_TEXTS)
+
+
+def _interrupted(signal_name: str, rank: int) -> int:
+    if rank == 0:
+        print(f"stopped: {signal_name} (nothing to save)", file=sys.stderr, flush=True)
+    return 130 if signal_name == "SIGINT" else 0
+
+
 def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
     text = traceback.format_exc()
-    if any(t in str(error) for t in PEER_FAILURE_TEXTS):  # not the cause: a peer's message says what happened
+    if _peer_failure(error):  # not the cause: a peer's message says what happened
         if cfg.debug:
             print(f"[rank {rank}] stopped: a peer rank went away\n{text}", file=sys.stderr, flush=True)
         return
@@ -104,11 +114,11 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 3
     except Interrupted as e:
-        if rank == 0:
-            print(f"stopped: {e.signal_name} (nothing to save)", file=sys.stderr, flush=True)
-        code = 130 if e.signal_name == "SIGINT" else 0
+        code = _interrupted(e.signal_name, rank)
     except BaseException as e:
-        # do not wait in collectives on the other ranks: the launcher tears them down
-        _report_unexpected(e, rank, cfg)
-        code = 3
+        if StopFlag.interrupted_by == "SIGINT" and _peer_failure(e):  # Ctrl-C again: a peer stopped first
+            code = _interrupted("SIGINT", rank)
+        else:  # do not wait in collectives on the other ranks: the launcher tears them down
+            _report_unexpected(e, rank, cfg)
+            code = 3
     exit_now(code)

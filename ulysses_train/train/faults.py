@@ -44,8 +44,11 @@ class StopFlag:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
+    interrupted_by = None  # the last Ctrl-C/SIGTERM this process saw: a peer's failure right after it is no fault
+
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
+        StopFlag.interrupted_by = name
         if not self.armed or (signum == signal.SIGINT and self.requested):
             raise Interrupted(name)
         if not self.requested and os.environ.get("RANK", "0") == "0":
