@@ -12,7 +12,8 @@ setup(
                       "matplotlib"],  # the pictures of --profile_memory and eval_positions
     extras_require={
         # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
-        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'"],
+        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny"],
+        "track": ["tensorboard", "wandb", "mlflow-skinny"],  # --report_to
         "flash": ["flash-attn"],
         "fa4": ["flash-attn-4"],  # FlashAttention-4 (Hopper, Blackwell): --attn_kernel auto picks it when installed
     },

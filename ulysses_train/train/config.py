@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -68,7 +70,7 @@ class TrainConfig:
                                          "gradient_accumulation_steps, else 1.")
     seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.")
     # ---- optimisation ----
-    steps: int = _f(30, "Optimizer steps to run.")
+    steps: int = _f(30, "Optimizer steps to run (also --max_steps, the Hugging Face name).", aliases=("max_steps",))
     lr: Optional[float] = _f(None, "Peak learning rate. Default: the DS config's optimizer lr, else 1e-3 for random "
                                    "init and 1e-5 for a pretrained --model.")
     min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
@@ -134,7 +136,14 @@ class TrainConfig:
     skip_nonfinite: bool = _f(False, "Skip an optimizer step whose loss is NaN/inf instead of stopping the run "
                                      "(needs --grad_accum 1).")
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
-    tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard.")
+    tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard (the same as "
+                                  "adding tensorboard to --report_to).")
+    report_to: str = _f("none", "Experiment trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, "
+                                "mlflow (or none). They work offline, into <output_dir>, unless WANDB_MODE / an API "
+                                "key or MLFLOW_TRACKING_URI point elsewhere (train/tracking.py); wandb and mlflow "
+                                "come with the [track] extra.")
+    config: Optional[str] = _f(None, "A YAML file whose keys are these flags (without --); the command line "
+                                     "overrides it. The resolved settings are written to <output_dir>/config.yaml.")
     log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
     verify: bool = _f(False, "Check this run against plain transformers instead of training: one step of the run as "
                              "configured (every flag applies) at --verify_seq_len, its loss and every parameter's "
@@ -164,6 +173,9 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be positive, got {value}")
         if self.profile_memory < 0 or self.profile_memory > self.steps:
             raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
+        from .tracking import parse_report_to
+
+        parse_report_to(self.report_to, self.tensorboard)  # an unknown tracker or a missing package, named now
         if not self.dist_timeout > 0:
             raise ConfigError(f"--dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.save_steps < 0:
@@ -215,7 +227,7 @@ class TrainConfig:
 FREE_SETTINGS = frozenset({
     "output_dir", "save_steps", "save_final", "save_total_limit", "resume", "resume_override",
     "overwrite_output_dir", "log_every", "tensorboard", "profile_memory", "num_proc", "data_cache_dir", "verify",
-    "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp",
+    "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "attn_recompute", "tiled_mlp", "mlp_tile_tokens",
     "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size"})
@@ -244,15 +256,65 @@ def build_parser() -> argparse.ArgumentParser:
             kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
         else:
             kw["type"] = base
-        parser.add_argument(f"--{f.name}", **kw)
+        parser.add_argument(f"--{f.name}", *(f"--{a}" for a in f.metadata.get("aliases", ())), **kw)
     # launchers (deepspeed, older torch.distributed.launch) append --local_rank; the rank comes from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
+def write_resolved_config(cfg: TrainConfig) -> str:
+    """Every setting of the run, defaults included, as a file `--config` reads back: `<output_dir>/config.yaml`
+    (checkpoints hold the same in trainer_state.json)."""
+    import yaml
+
+    path = os.path.join(cfg.output_dir, "config.yaml")
+    values = {k: v for k, v in cfg.to_dict().items() if k not in ("config", "resume", "overwrite_output_dir")}
+    with open(path, "w") as f:
+        yaml.safe_dump(values, f, sort_keys=False)
+    return path
+
+
+def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags of `--config FILE` as command-line words, to go before the typed ones (so these win): every value
+    passes the same parsing and checks as a typed flag, and counts as given explicitly."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    if path is None:
+        return []
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        parser.error(f"--config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        parser.error(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path} must hold a mapping of flag names to values")
+    known = {o.lstrip("-") for a in parser._actions for o in a.option_strings}
+    words = []
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in known or name == "config":
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            parser.error(f"--config {path}: unknown flag {key!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                                                    else ""))
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return words
+
+
 def parse_args(argv=None) -> tuple[TrainConfig, set[str]]:
-    """Returns the config and the set of flags the user typed explicitly (which must then agree with the DS JSON)."""
+    """Returns the config and the set of flags the user typed explicitly, or set in --config (which must then agree
+    with the DS JSON)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = config_file_args(parser, argv) + argv
     ns = parser.parse_args(argv)
     # a second parse with every default suppressed tells which flags were given explicitly
     probe = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ from ..sp.sharding import shard_sequence
 from .faults import check_grad_norm, inject_at_step, loss_is_skipped
 from .memory_profile import ProfileFirstSteps
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
+from .tracking import parse_report_to
 
 
 def step_token_count(run, batches: list[dict]) -> torch.Tensor:
@@ -94,8 +95,9 @@ def train(run) -> list[dict]:
     stop.armed = True
     if stop.agreed(run.device):  # stopped while starting up (the launcher went away): nothing trained, nothing to save
         return history
-    with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, cfg.tensorboard, cfg.log_every,
-                       run.start_step) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
+    trackers = parse_report_to(cfg.report_to, cfg.tensorboard)
+    with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, trackers, cfg.log_every, run.start_step,
+                       cfg.to_dict()) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
         for step in range(run.start_step + 1, cfg.steps + 1):
             inject_at_step(step, run.rank)
             profile.before_step(step)

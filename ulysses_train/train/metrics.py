@@ -1,5 +1,5 @@
 """Per-step metrics: a tqdm bar and a readable line on rank 0, `metrics.jsonl` (one object per optimizer step),
-and optionally TensorBoard."""
+and the experiment trackers of --report_to (tracking.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import resource
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,10 +50,10 @@ def records_up_to(path: str, step: int) -> list[str]:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, total_steps: int, enabled: bool, tensorboard: bool = False,
-                 log_every: int = 1, start_step: int = 0):
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers: Sequence[str] = (),
+                 log_every: int = 1, start_step: int = 0, config: Optional[dict] = None):
         self.enabled, self.log_every = enabled, log_every
-        self.bar = self.file = self.tb = None
+        self.bar = self.file = self.trackers = None
         if not enabled:
             return
         from tqdm.auto import tqdm
@@ -66,10 +66,10 @@ class MetricsLogger:
                 f.writelines(kept)
         self.file = open(path, "a" if start_step else "w")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if trackers:
+            from .tracking import Trackers
 
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            self.trackers = Trackers(list(trackers), output_dir, config or {}, resuming=start_step > 0)
 
     def __enter__(self) -> "MetricsLogger":
         return self
@@ -83,10 +83,8 @@ class MetricsLogger:
         record = {k: record[k] for k in KEYS} | (extra or {})
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"train/{k}", v, record["step"])
+        if self.trackers is not None:
+            self.trackers.log(record, record["step"])
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if record["step"] % self.log_every == 0 or record["step"] == 1:
@@ -104,5 +102,5 @@ class MetricsLogger:
             self.bar.close()
         if self.file is not None:
             self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()

@@ -35,7 +35,7 @@ from ..sp.attention import register_ulysses_attention
 from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
 from ..sp.kernels import resolve_kernel
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, write_resolved_config
 from .resume import apply_schedule, plan_run, training_settings
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
@@ -141,6 +141,8 @@ class Trainer:
                  f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.module.parameters()) / 1e6:.1f}M params | "
                  f"{self.model_config.num_hidden_layers} layers | {self.describe_levers()} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
+        if self.rank == 0:
+            write_resolved_config(cfg)
 
     # ---------------------------------------------------------------- building
 

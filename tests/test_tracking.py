@@ -1,0 +1,91 @@
+"""Experiment trackers and config files, with the real packages (the [track] extra) and the real trainer.
+
+One run from a YAML config (with a command-line override) logs to TensorBoard, Weights & Biases (offline) and
+MLflow (a local file store); the test reads each tracker's own files back and finds every step's loss of
+metrics.jsonl there. The run is then resumed for two more steps: the same wandb and MLflow runs continue."""
+
+import glob
+import json
+import sys
+
+import pytest
+import yaml
+
+from tests.test_train_e2e import ROOT, TRAIN, _env, metrics
+from ulysses_train.errors import ConfigError
+from ulysses_train.train.config import parse_args
+from ulysses_train.train.tracking import parse_report_to
+
+pytest.importorskip("wandb", reason="the [track] extra: pip install -e '.[track]'")
+pytest.importorskip("mlflow", reason="the [track] extra: pip install -e '.[track]'")
+
+
+def _train(args, tmp_path, env=None):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, TRAIN] + args, cwd=ROOT, capture_output=True, text=True,
+                          env=_env() | {"WANDB_SILENT": "true"} | (env or {}), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _tensorboard_losses(out) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("train/loss")]
+
+
+def _mlflow_losses(out) -> tuple[list[float], dict]:
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"file:{out / 'mlruns'}")
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    return [m.value for m in history], client.get_run(run_id).data.params
+
+
+def test_trackers_write_their_files_from_a_config_file_and_continue_on_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"max_steps": 3, "seq_len": 512, "lr": 3e-3, "report_to": ["tensorboard", "wandb",
+                                                                                                  "mlflow"],
+                                      "output_dir": str(out)}))
+    _train(["--config", str(config), "--seq_len", "128"], tmp_path)  # the command line wins over the file
+    records = metrics(out)
+    losses = [r["loss"] for r in records]
+    assert len(records) == 3 and all(r["num_tokens"] == 127 for r in records)
+    assert _tensorboard_losses(out) == pytest.approx(losses)
+    mlflow_losses, params = _mlflow_losses(out)
+    assert mlflow_losses == pytest.approx(losses) and params["seq_len"] == "128" and params["lr"] == "0.003"
+    (wandb_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+    logged = open(wandb_file, "rb").read()
+    assert b"train/loss" in logged and all(json.dumps(loss).encode() in logged for loss in losses)
+    # the resolved settings are a config file again: read back, they give the same run
+    resolved, _ = parse_args(["--config", str(out / "config.yaml")])
+    assert resolved.seq_len == 128 and resolved.steps == 3 and resolved.report_to == "tensorboard,wandb,mlflow"
+
+    _train(["--config", str(out / "config.yaml"), "--steps", "5", "--resume", "auto", "--resume_override", "steps"],
+           tmp_path)
+    resumed = [r["loss"] for r in metrics(out)]
+    assert len(resumed) == 5 and resumed[:3] == losses
+    assert _mlflow_losses(out)[0] == pytest.approx(resumed)  # the same MLflow run, two more steps
+    assert len(glob.glob(str(out / "wandb" / "offline-run-*"))) == 2  # wandb resumes the run id in a new folder
+    assert len({p.split("-")[-1] for p in glob.glob(str(out / "wandb" / "offline-run-*"))}) == 1
+
+
+def test_report_to_and_config_file_errors_name_the_flag(tmp_path, capsys):
+    assert parse_report_to("none") == [] and parse_report_to("tensorboard,wandb", True) == ["tensorboard", "wandb"]
+    with pytest.raises(ConfigError, match="--report_to comet: unknown tracker comet"):
+        parse_report_to("comet")
+    bad = tmp_path / "bad.yaml"
+    for text, expected in (("seq_lenn: 5\n", "unknown flag 'seq_lenn' (did you mean 'seq_len'?)"),
+                           ("seq_len: [5\n", "is not valid YAML"),
+                           ("- 5\n", "must hold a mapping of flag names to values"),
+                           ("seq_len: many\n", "invalid int value: 'many'")):
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--config", str(bad)])
+        assert e.value.code == 2 and expected in capsys.readouterr().err
