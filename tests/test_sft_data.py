@@ -151,7 +151,8 @@ def test_format_detection_and_loss_on():
     with pytest.raises(ConfigError, match=r"--data_format messages needs the column\(s\) \['messages'\]; the dataset "
                                           r"has \['text'\]"):
         detect_format(["text"], "messages", None)
-    with pytest.raises(ConfigError, match="cannot tell the data format from the columns .*--data_format"):
+    with pytest.raises(ConfigError, match=r"no 'text' column in the dataset \(columns: \['body'\]\), nor .*"
+                                          r"--text_column, or the format with --data_format"):
         detect_format(["body"], "auto", None)
     assert resolve_loss_on("messages", "auto", []) == "assistant"
     assert resolve_loss_on("prompt_completion", "auto", []) == "completion"

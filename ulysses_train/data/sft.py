@@ -54,9 +54,9 @@ def detect_format(columns: list[str], requested: str, text_column: Optional[str]
             return fmt
     if "text" in columns:
         return "text"
-    raise ConfigError(f"cannot tell the data format from the columns {columns}: conversations need `messages`, "
-                      f"instructions `prompt` and `completion`, tokens `input_ids`, text `text` (or --text_column); "
-                      f"or name it with --data_format")
+    raise ConfigError(f"no 'text' column in the dataset (columns: {columns}), nor the columns of another format "
+                      f"(conversations: `messages`; instructions: `prompt` and `completion`; tokens: `input_ids`): "
+                      f"name the text column with --text_column, or the format with --data_format")
 
 
 def resolve_loss_on(fmt: str, requested: str, columns: list[str]) -> str:
