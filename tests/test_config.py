@@ -234,3 +234,21 @@ def test_the_key_allow_list_covers_every_top_level_key_deepspeed_reads():
                               zero_optimization={"stage": 3}))
     assert len(read) > 40, sorted(read)
     assert read <= set(DEEPSPEED_TOP_LEVEL_KEYS), sorted(read - set(DEEPSPEED_TOP_LEVEL_KEYS))
+
+
+@pytest.mark.parametrize("argv", [["--data_format", "messages"], ["--chat_template", "t.jinja"],
+                                  ["--loss_on", "assistant"], ["--truncation", "left"]])
+def test_conversation_flags_need_a_dataset(argv):
+    cfg, _ = parse_args(argv)
+    with pytest.raises(ConfigError, match=rf"^{argv[0]} needs --dataset"):
+        cfg.validate()
+    parse_args(argv + ["--dataset", "chats.jsonl"])[0].validate()
+
+
+def test_a_missing_chat_template_is_named_before_any_work(tmp_path):
+    from ulysses_train.train.preflight import preflight
+
+    (tmp_path / "chats.jsonl").write_text("")
+    cfg, _ = parse_args(["--dataset", str(tmp_path / "chats.jsonl"), "--chat_template", str(tmp_path / "t.jinja")])
+    with pytest.raises(ConfigError, match=rf"--chat_template {tmp_path}/t.jinja: no such file"):
+        preflight(cfg)

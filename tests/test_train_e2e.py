@@ -15,7 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 COMMON = ["--seq_len", "256", "--steps", "4", "--lr", "3e-3"]
-KEYS = {"step", "loss", "grad_norm", "num_tokens", "tokens_per_s", "step_time_s", "peak_mem_gib", "lr"}
+KEYS = {"step", "loss", "grad_norm", "num_tokens", "conversations", "tokens_per_s", "step_time_s", "peak_mem_gib",
+        "lr"}
 
 
 def _env():

@@ -27,15 +27,26 @@ _EXT_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 
 
 class ByteTokenizer:
-    """Byte-level tokenizer for offline use and tests: ids 0..2 are pad/eos/unk, byte b is id b + 3 (vocab 259)."""
+    """Byte-level tokenizer for offline use and tests: ids 0..2 are pad/eos/unk, byte b is id b + 3 (vocab 259).
+    It has no chat template of its own (give one with --chat_template) and no special-token strings: a template's
+    `<|im_end|>` is its bytes."""
 
     pad_token_id, eos_token_id, unk_token_id = 0, 1, 2
     vocab_size = 259
     name_or_path = "bytes"
     identity = "utf-8 bytes + 3, pad 0, eos 1, unk 2"  # what the token cache's key records for it
+    chat_template = None
+    special_tokens_map: dict = {}
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) + 3 for t in texts]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.encode_batch([text])[0].tolist()
+
+    def decode(self, ids) -> str:
+        """Text of byte ids; pad/eos/unk (and bytes cut mid-character) decode to nothing / U+FFFD."""
+        return bytes(int(i) - 3 for i in ids if int(i) >= 3).decode("utf-8", errors="replace")
 
     def __len__(self):
         return self.vocab_size
@@ -119,6 +130,11 @@ def unreadable_dataset_is_a_config_error(spec: str):
         raise ConfigError(f"--dataset {spec} cannot be read: {type(cause).__name__}: {str(cause).strip()}") from None
 
 
+def dataset_columns(corpus) -> list[str]:
+    """The column names of a loaded dataset, streamed or not."""
+    return list(corpus.column_names or _first_row_columns(corpus))
+
+
 def _first_row_columns(corpus) -> list[str]:
     """The columns of a streamed dataset whose features datasets could not infer up front: reading its first row
     names them, or raises the error that kept them unknown (a corrupt file) instead of a missing-column message."""
@@ -179,8 +195,8 @@ class TokenSamples:
     def document_lengths(self, i: int, valid: int) -> list[int]:
         """Lengths of the document pieces in sample i (the padding, if any, is one more piece)."""
         start = i * self.seq_len
-        starts = self.store.doc_starts
-        inside = starts[(starts > start) & (starts < start + valid)] - start
+        starts = self.store.doc_starts  # sorted: the documents starting inside the sample, found in O(log n)
+        inside = starts[np.searchsorted(starts, start, "right"):np.searchsorted(starts, start + valid, "left")] - start
         cuts = [0, *inside.tolist(), valid]
         lengths = [b - a for a, b in zip(cuts, cuts[1:]) if b > a]
         if valid < self.seq_len:
@@ -190,13 +206,13 @@ class TokenSamples:
 
 def corpus_samples(dataset: str, split: str, text_column: Optional[str], tokenizer, seq_len: int, cache_dir: str,
                    streaming: bool = False, num_proc: Optional[int] = None, max_tokens: Optional[int] = None,
-                   pad_last: bool = False, can_pad: bool = True) -> tuple[TokenSamples, TokenStore]:
-    """The whole pipeline: load, pick the text column, tokenize, store (or reuse the cached store), cut into samples
-    of `seq_len` tokens. Errors that name the flag to change are ConfigErrors; `can_pad`: the caller has
-    --last_sample, so messages may suggest it."""
+                   pad_last: bool = False, can_pad: bool = True, corpus=None) -> tuple[TokenSamples, TokenStore]:
+    """The whole pipeline: load (unless the caller passes the loaded `corpus`), pick the text column, tokenize,
+    store (or reuse the cached store), cut into samples of `seq_len` tokens. Errors that name the flag to change are
+    ConfigErrors; `can_pad`: the caller has --last_sample, so messages may suggest it."""
     with unreadable_dataset_is_a_config_error(dataset):
-        corpus = load_corpus(dataset, split, streaming)
-        column = pick_text_column(corpus.column_names or _first_row_columns(corpus), text_column)
+        corpus = load_corpus(dataset, split, streaming) if corpus is None else corpus
+        column = pick_text_column(dataset_columns(corpus), text_column)
         tokenized = tokenize_corpus(corpus, tokenizer, column, num_proc)
         fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
         settings = cache_settings(fingerprint, tokenizer, dataset, split, column, max_tokens)

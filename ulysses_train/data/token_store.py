@@ -2,6 +2,11 @@
 start offsets, memory-mapped, under a folder named by a hash of everything that decides those tokens.
 
     <cache_dir>/<key>/tokens.npy, doc_starts.npy, settings.json (the key's inputs, and the array sizes)
+                      trained.npy (conversations only: uint8 per token, 1 where the model is trained to write it)
+
+Conversations (data/sft.py) are stored the same way, one document each, with no EOS added (the chat template
+writes the end of each turn) and the trained mask beside the tokens; their key adds the data format, the chat
+template's text and --loss_on.
 
 The key (`cache_settings`) covers the data (the tokenized dataset's fingerprint, and the local files' sizes and
 times), the split, the text column, --max_tokens, and the tokenizer's identity (its whole serialised vocabulary,
@@ -14,6 +19,7 @@ disagrees with settings.json) is reported by path and rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,6 +44,7 @@ class TokenStore:
     doc_starts: np.ndarray  # (n_docs,) int64
     cache_hit: bool = False
     folder: Optional[str] = None
+    trained: Optional[np.ndarray] = None  # (n_tokens,) uint8, memory-mapped: 1 = a target (conversations only)
 
 
 class DamagedStore(Exception):
@@ -73,11 +80,12 @@ def source_identity(dataset: str) -> list:
 
 
 def cache_settings(fingerprint: str, tokenizer, dataset: str, split: str, text_column: str,
-                   max_tokens: Optional[int]) -> dict:
-    """Every setting that changes the stored tokens; the cache key is its hash."""
+                   max_tokens: Optional[int], extra: Optional[dict] = None) -> dict:
+    """Every setting that changes the stored tokens; the cache key is its hash. `extra`: the conversation settings
+    (data format, chat template text, --loss_on), absent for text."""
     return {"format": CACHE_FORMAT, "fingerprint": fingerprint, "source": source_identity(dataset), "split": split,
             "text_column": text_column, "max_tokens": max_tokens, "tokenizer": tokenizer_identity(tokenizer),
-            "eos": tokenizer.eos_token_id}
+            "eos": tokenizer.eos_token_id, **(extra or {})}
 
 
 def store_key(settings: dict) -> str:
@@ -102,13 +110,22 @@ def open_store(folder: str) -> TokenStore:
             len(doc_starts) and (doc_starts[0] != 0 or doc_starts[-1] >= len(tokens)
                                  or np.any(np.diff(doc_starts) <= 0))):
         raise DamagedStore("doc_starts.npy does not fit tokens.npy")
-    return TokenStore(tokens, doc_starts, cache_hit=True, folder=folder)
+    trained = None
+    if "trained" in sizes:
+        try:
+            trained = np.load(os.path.join(folder, "trained.npy"), mmap_mode="r")
+        except (OSError, ValueError, EOFError) as e:
+            raise DamagedStore(f"{type(e).__name__}: {e}") from None
+        if trained.shape != tokens.shape or trained.dtype != np.uint8:
+            raise DamagedStore(f"trained.npy holds {trained.shape} {trained.dtype}, tokens.npy {tokens.shape}")
+    return TokenStore(tokens, doc_starts, cache_hit=True, folder=folder, trained=trained)
 
 
-def build_token_store(tokenized, eos_id: int, cache_dir: str, key: str, max_tokens: Optional[int] = None,
-                      settings: Optional[dict] = None) -> TokenStore:
+def build_token_store(tokenized, eos_id: Optional[int], cache_dir: str, key: str, max_tokens: Optional[int] = None,
+                      settings: Optional[dict] = None, trained: bool = False) -> TokenStore:
     """The store under cache_dir/key: reused when present and sound, else written (a damaged one is named on
-    stderr and rebuilt). Safe when several processes build the same key at once."""
+    stderr and rebuilt). Safe when several processes build the same key at once. `eos_id` None: nothing is added
+    after a document; `trained`: the rows also hold a `trained` mask (conversations), stored beside the tokens."""
     folder = os.path.join(cache_dir, key)
     if os.path.exists(folder):
         try:
@@ -120,32 +137,45 @@ def build_token_store(tokenized, eos_id: int, cache_dir: str, key: str, max_toke
     _remove_abandoned_builds(cache_dir, key)
     tmp = os.path.join(cache_dir, f".{key}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}{_TMP}")
     try:
-        _write_store(tmp, tokenized, eos_id, max_tokens, settings or {})
+        _write_store(tmp, tokenized, eos_id, max_tokens, settings or {}, trained)
         return _publish(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after a publish there is nothing left to remove
 
 
-def _write_store(folder: str, tokenized, eos_id: int, max_tokens: Optional[int], settings: dict) -> None:
+def _write_store(folder: str, tokenized, eos_id: Optional[int], max_tokens: Optional[int], settings: dict,
+                 with_trained: bool = False) -> None:
     os.makedirs(folder)
-    raw, tokens_path = os.path.join(folder, "tokens.raw"), os.path.join(folder, "tokens.npy")
     starts, total = [], 0
-    with open(raw, "wb") as out:
-        for ids in _iter_token_arrays(tokenized):
+    with open(os.path.join(folder, "tokens.raw"), "wb") as out, \
+            (open(os.path.join(folder, "trained.raw"), "wb") if with_trained else contextlib.nullcontext()) as mask:
+        for ids, trained in _iter_token_arrays(tokenized, with_trained):
             if len(ids) == 0:
                 continue  # empty documents add nothing, not even an EOS
             starts.append(total)
-            out.write(np.append(ids, eos_id).astype(np.uint32).tobytes())
-            total += len(ids) + 1
+            ids = ids if eos_id is None else np.append(ids, eos_id)
+            out.write(ids.astype(np.uint32).tobytes())
+            if mask is not None:
+                mask.write(np.asarray(trained, dtype=np.uint8).tobytes())
+            total += len(ids)
             if max_tokens is not None and total >= max_tokens:
                 break
-    flat = np.memmap(raw, dtype=np.uint32, mode="r", shape=(total,)) if total else np.zeros(0, np.uint32)
-    np.save(tokens_path, flat)  # .npy header + data; small next to tokenizing
-    del flat
-    os.remove(raw)
+    _raw_to_npy(folder, "tokens", np.uint32, total)
+    sizes = {"tokens": total, "docs": len(starts)}
+    if with_trained:
+        _raw_to_npy(folder, "trained", np.uint8, total)
+        sizes["trained"] = total
     np.save(os.path.join(folder, "doc_starts.npy"), np.asarray(starts, dtype=np.int64))
     with open(os.path.join(folder, "settings.json"), "w") as f:
-        json.dump({**settings, "sizes": {"tokens": total, "docs": len(starts)}}, f, indent=1)
+        json.dump({**settings, "sizes": sizes}, f, indent=1)
+
+
+def _raw_to_npy(folder: str, name: str, dtype, total: int) -> None:
+    raw = os.path.join(folder, f"{name}.raw")
+    flat = np.memmap(raw, dtype=dtype, mode="r", shape=(total,)) if total else np.zeros(0, dtype)
+    np.save(os.path.join(folder, f"{name}.npy"), flat)  # .npy header + data; small next to tokenizing
+    del flat
+    os.remove(raw)
 
 
 def _publish(tmp: str, folder: str) -> TokenStore:
@@ -206,14 +236,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _iter_token_arrays(tokenized):
-    """Each document's token ids as a numpy array, straight from Arrow where the dataset has a table."""
+def _iter_token_arrays(tokenized, with_trained: bool = False):
+    """Each document's token ids (and, with_trained, its trained mask) as numpy arrays, straight from Arrow where
+    the dataset has a table."""
     table = getattr(tokenized, "data", None)
     if table is not None and hasattr(table, "column"):
-        for chunk in table.column("input_ids").chunks:
-            offsets, values = chunk.offsets.to_numpy(), chunk.values.to_numpy(zero_copy_only=False)
-            for i in range(len(offsets) - 1):
-                yield values[offsets[i]:offsets[i + 1]]
+        columns = ["input_ids"] + (["trained"] if with_trained else [])
+        for batch in table.to_batches():  # the columns of a record batch line up
+            arrays = [batch.column(c) for c in columns]
+            arrays = [(a.offsets.to_numpy(), a.values.to_numpy(zero_copy_only=False)) for a in arrays]
+            for i in range(len(arrays[0][0]) - 1):
+                pieces = tuple(values[o[i]:o[i + 1]] for o, values in arrays)
+                yield pieces if with_trained else (pieces[0], None)
     else:  # streaming
         for row in tokenized:
-            yield np.asarray(row["input_ids"], dtype=np.int64)
+            yield (np.asarray(row["input_ids"], dtype=np.int64),
+                   np.asarray(row["trained"], dtype=np.uint8) if with_trained else None)

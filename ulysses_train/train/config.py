@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 
+from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KINDS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
@@ -58,7 +59,22 @@ class TrainConfig:
     last_sample: str = _f("drop", "The corpus's last partial sample: drop it, or pad it (padding is not trained on).",
                           ("drop", "pad"))
     packing: bool = _f(False, "Keep document boundaries inside a sample: positions restart at each document and "
-                              "attention never crosses one (also under sequence parallelism).")
+                              "attention never crosses one (also under sequence parallelism). Conversations: pack "
+                              "whole ones into each sample (first-fit decreasing) instead of one per sample.")
+    data_format: str = _f("auto", "What --dataset holds. messages: a list of {role, content} per row, rendered with "
+                                  "the chat template; prompt_completion: prompt and completion strings or message "
+                                  "lists; tokens: input_ids, with optional labels or assistant_masks; text: raw text. "
+                                  "auto: from the columns, in that order.", DATA_FORMATS)
+    chat_template: Optional[str] = _f(None, "A Jinja chat template file for messages data, instead of the "
+                                            "tokenizer's own. Its {%% generation %%} markers, if any, say what is "
+                                            "trained; otherwise assistant turns are found by rendering growing "
+                                            "prefixes of each conversation.")
+    loss_on: str = _f("auto", "Which tokens are trained. assistant: every assistant turn (content and end-of-turn "
+                              "token); completion: what the completion adds to the prompt; all: every token. auto: "
+                              "assistant for messages, completion for prompt/completion, all for text, and for "
+                              "tokens their labels or assistant_masks.", LOSS_ON)
+    truncation: str = _f("error", "A conversation longer than --seq_len: error (the message gives how many and the "
+                                  "longest), left (keep its end) or right (keep its start).", TRUNCATION)
     data_cache_dir: str = _f(os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"),
                              "Where the tokenized corpus arrays are cached (keyed by the data and tokenizer).")
     pad_to_sp: bool = _f(False, "Pad sequences to a multiple of --sp_size (padding not trained on) instead of "
@@ -183,6 +199,10 @@ class TrainConfig:
         self._validate_resume()
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
+        for name, default in (("data_format", "auto"), ("chat_template", None), ("loss_on", "auto"),
+                              ("truncation", "error")):
+            if getattr(self, name) != default and not self.dataset:
+                raise ConfigError(f"--{name} needs --dataset (generated tokens train every token)")
         for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

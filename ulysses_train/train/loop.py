@@ -19,14 +19,16 @@ from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 from .tracking import parse_report_to
 
 
-def step_token_count(run, batches: list[dict]) -> torch.Tensor:
-    """Trainable tokens of a whole optimizer step, every micro-batch of every DP rank: the loss's denominator, so
-    the loss is the mean over the global batch however the tokens fall (SFT data does not give every micro-batch
-    the same count). Counted from the whole sequences, which every rank of an SP group holds."""
-    count = torch.tensor(float(sum(trainable_tokens(b) for b in batches)), device=run.device)
+def step_counts(run, batches: list[dict]) -> torch.Tensor:
+    """[trainable tokens, conversations] of a whole optimizer step, every micro-batch of every DP rank (one
+    all-reduce). The tokens are the loss's denominator, so the loss is the mean over the global batch however the
+    tokens fall (SFT data does not give every micro-batch the same count; a micro-batch or SP shard without any
+    contributes zero). Counted from the whole sequences, which every rank of an SP group holds."""
+    counts = torch.tensor([float(sum(trainable_tokens(b) for b in batches)),
+                           float(sum(b.get("conversations", 0) for b in batches))], device=run.device)
     if run.groups.dp_size > 1:
-        dist.all_reduce(count, group=run.groups.dp_group)
-    return count
+        dist.all_reduce(counts, group=run.groups.dp_group)
+    return counts
 
 
 def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -58,9 +60,10 @@ def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor) -> t
 def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Every micro-step of optimizer step `step` (1-based), and the engine's optimizer step after the last unless
     `finish` is False (--verify stops before it). Returns the loss (the mean over the step's trainable tokens, on
-    every rank), the token count, and whether the step was skipped."""
+    every rank), the counts ([trainable tokens, conversations], step_counts), and whether the step was skipped."""
     batches = [run.micro_batch(step - 1, m) for m in range(run.accum)]
-    normalizer = step_token_count(run, batches)
+    counts = step_counts(run, batches)
+    normalizer = counts[0]
     total, skipped = torch.zeros((), device=run.device), False
     for micro_step, batch in enumerate(batches):
         loss, skipped = forward_backward(run, batch, step, normalizer)
@@ -69,7 +72,7 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
         total += loss
     if run.groups.dp_size > 1:
         dist.all_reduce(total, group=run.groups.dp_group)
-    return total, normalizer, skipped
+    return total, counts, skipped
 
 
 def train_step(run, step: int) -> dict:
@@ -78,13 +81,15 @@ def train_step(run, step: int) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    loss, tokens, skipped = accumulate(run, step)
+    loss, counts, skipped = accumulate(run, step)
     sync()
     elapsed = time.perf_counter() - start
     grad_norm = float(run.engine.get_global_grad_norm() or 0.0)
     check_grad_norm(grad_norm, step, skipped, run.cfg.skip_nonfinite)
-    return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": int(tokens.item()),
-            "step_time_s": elapsed, "tokens_per_s": run.seq_len * run.micro * run.accum * g.dp_size / elapsed,
+    tokens, conversations = (int(c) for c in counts.tolist())
+    return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": tokens,
+            "conversations": conversations, "step_time_s": elapsed,
+            "tokens_per_s": run.seq_len * run.micro * run.accum * g.dp_size / elapsed,
             "peak_mem_gib": device_peak_gib(device), "lr": run.engine.get_lr()[0], "skipped": skipped}
 
 

@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
-KEYS = ("step", "loss", "grad_norm", "num_tokens", "tokens_per_s", "step_time_s", "peak_mem_gib", "lr")
+KEYS = ("step", "loss", "grad_norm", "num_tokens", "conversations", "tokens_per_s", "step_time_s", "peak_mem_gib",
+        "lr")
 
 
 def host_peak_gib() -> float:

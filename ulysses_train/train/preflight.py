@@ -1,7 +1,7 @@
-"""Paths checked before any work: --model, --tokenizer and --dataset exist, and a local model folder holds a
-readable config, intact weights and (when it must provide one) a tokenizer. Each problem is a ConfigError naming the
-flag and the path, raised on every rank alike before the process group, the data or the model exist, instead of a
-traceback per rank from deep inside transformers or datasets.
+"""Paths checked before any work: --model, --tokenizer, --dataset and --chat_template exist, and a local model
+folder holds a readable config, intact weights and (when it must provide one) a tokenizer. Each problem is a
+ConfigError naming the flag and the path, raised on every rank alike before the process group, the data or the
+model exist, instead of a traceback per rank from deep inside transformers or datasets.
 
 Which names are local paths and which hub ids: ../paths.py. Loading errors of hub ids are turned into ConfigErrors
 where they are loaded (model/build.py, data/corpus.py).
@@ -59,12 +59,18 @@ def check_dataset(spec) -> None:
         local_or_hub("dataset", spec)
 
 
+def check_chat_template(path) -> None:
+    if path and not os.path.isfile(path):
+        raise ConfigError(f"--chat_template {path}: no such file (give a Jinja chat template file)")
+
+
 def preflight(cfg) -> None:
     """Every path check of a run (a TrainConfig), in the order the run reads them."""
     if cfg.model:
         check_model(cfg.model, need_tokenizer=cfg.tokenizer is None)
     check_tokenizer(cfg.tokenizer)
     check_dataset(cfg.dataset)
+    check_chat_template(cfg.chat_template)
 
 
 def _has_tokenizer(folder: str) -> bool:

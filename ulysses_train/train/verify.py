@@ -153,12 +153,15 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     total, counts = 0.0, [trainable_tokens(b) for b in batches]
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
+        if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)
+            continue
         out = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                     labels=batch["labels"].to(device), use_cache=False)
         share = out.loss * (count / max(1, sum(counts)))  # transformers' loss is this batch's mean
         share.backward()
         total += share.item()
-    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
+             for n, p in model.named_parameters()}
     buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
     del model
     if device.type == "cuda":
@@ -236,8 +239,8 @@ def _row(name: str, ours: float, theirs: Optional[float], limit: float) -> str:
 
 def format_report(result: dict) -> str:
     ours, theirs, lim = result["ours"], result.get("transformers"), result["limits"]
-    lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s), "
-             f"{result['dtype']}, {result['setup']}",
+    lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s) "
+             f"({result['targets']:,} targets), {result['dtype']}, {result['setup']}",
              f"  reference: plain transformers {result['transformers_version']}, SDPA, same weights and tokens; "
              f"fp32 loss {result['reference_loss']:.6f}, ours {result['loss']:.6f}",
              f"  {'error vs fp32':<26}{'ours':>12}{'transformers':>14}{'limit':>12}"]
@@ -283,6 +286,7 @@ def run_verify(trainer) -> dict:
         bad_buffers = buffer_mismatches(buffers, ref_buffers)
         failed += ["buffers"] if bad_buffers else []
         result = {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
+                  "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
                   "transformers_version": transformers.__version__, "loss": loss, "reference_loss": ref_loss,
                   "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),

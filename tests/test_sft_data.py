@@ -1,0 +1,228 @@
+"""Conversation data: formats, what is trained in each (checked by decoding the trained tokens), templates with and
+without generation markers, errors that name the flag, the cache key (templates written in tests/sft_fixtures.py)."""
+
+import numpy as np
+import pytest
+
+from tests.sft_fixtures import (CHATML_PLAIN, CHATML_QWEN, LLAMA3, MISTRAL, MULTI_TURN, REASONING, tiny_tokenizer,
+                                trained_spans, write_jsonl)
+from ulysses_train.data.chat import assistant_mask, completion_mask, load_chat_template, marker_mask, prefix_mask
+from ulysses_train.data.corpus import ByteTokenizer, load_corpus
+from ulysses_train.data.sft import RowEncoder, detect_format, resolve_loss_on, sft_samples
+from ulysses_train.errors import ConfigError
+
+ASSISTANT_TURNS = ["Four.<|im_end|>", "It sat on the mat.<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+# ---------------------------------------------------------------- masks, per template style
+
+@pytest.mark.parametrize("template", [CHATML_QWEN, CHATML_PLAIN], ids=["markers", "no markers"])
+def test_chatml_multi_turn_trains_every_assistant_turn_and_its_end(tok, template):
+    ids, mask = assistant_mask(tok, template, MULTI_TURN)
+    assert tok.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert trained_spans(tok, ids, mask) == ASSISTANT_TURNS  # not the header, not the newline after <|im_end|>
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_markers_and_prefixes_give_the_same_mask(tok, tokenizer):
+    t = tok if tokenizer == "bpe" else ByteTokenizer()
+    for messages in (MULTI_TURN, MULTI_TURN[1:3], MULTI_TURN[1:]):  # with and without system (Qwen's default)
+        assert marker_mask(t, CHATML_QWEN, messages) == prefix_mask(t, CHATML_PLAIN, messages)
+    ids, mask = assistant_mask(t, CHATML_QWEN, MULTI_TURN[1:3])
+    assert "You are Qwen" in t.decode(ids) and trained_spans(t, ids, mask) == ASSISTANT_TURNS[:1]
+
+
+def test_llama3_template(tok):
+    ids, mask = assistant_mask(tok, LLAMA3, MULTI_TURN)
+    assert tok.decode(ids[:2]) == "<|begin_of_text|><|start_header_id|>"
+    assert trained_spans(tok, ids, mask) == ["Four.<|eot_id|>", "It sat on the mat.<|eot_id|>"]
+
+
+def test_template_without_markers_or_generation_prompt():
+    tok = tiny_tokenizer(bos="<s>", eos="</s>")
+    messages = [m for m in MULTI_TURN if m["role"] in ("user", "assistant")]
+    ids, mask = assistant_mask(tok, MISTRAL, messages)
+    assert tok.decode(ids) == "<s>[INST] What is two plus two? [/INST] Four.</s>[INST] And the cat? [/INST] It sat " \
+                              "on the mat.</s>"
+    assert trained_spans(tok, ids, mask) == [" Four.</s>", " It sat on the mat.</s>"]
+
+
+def test_a_template_whose_turns_cannot_be_found_names_the_flag(tok):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>x</think>Four."},
+                {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Done."}]
+    with pytest.raises(ConfigError, match=r"--chat_template: cannot find the assistant's tokens: it has no "
+                                          r"\{% generation %\} markers, and messages\[:2\] rendered is not a prefix"):
+        assistant_mask(tok, REASONING, messages)
+    empty_markers = CHATML_PLAIN.replace("{{- '\\n' }}", "{% generation %}{% endgeneration %}{{- '\\n' }}", 1)
+    ids, mask = assistant_mask(tok, empty_markers, MULTI_TURN)  # markers that mark nothing: prefixes instead
+    assert trained_spans(tok, ids, mask) == ASSISTANT_TURNS
+
+
+def test_loading_templates(tok, tmp_path):
+    with pytest.raises(ConfigError, match=r"has no chat template, which conversations need: give one with "
+                                          r"--chat_template FILE"):
+        load_chat_template(None, ByteTokenizer())
+    assert load_chat_template(None, tiny_tokenizer(template=LLAMA3)) == LLAMA3
+    (tmp_path / "t.jinja").write_text(CHATML_QWEN)
+    assert load_chat_template(str(tmp_path / "t.jinja"), tok) == CHATML_QWEN
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="--chat_template .*bad.jinja is not a valid Jinja template"):
+        load_chat_template(str(tmp_path / "bad.jinja"), tok)
+
+
+# ---------------------------------------------------------------- formats, row by row
+
+def _encode(fmt, tokenizer, rows, loss_on, template=CHATML_QWEN):
+    columns = {k: [r[k] for r in rows] for k in rows[0]}
+    out = RowEncoder(fmt, tokenizer, template, loss_on)(columns, list(range(len(rows))))
+    return [(ids.tolist(), mask.tolist()) for ids, mask in zip(out["input_ids"], out["trained"])]
+
+
+def test_loss_on_all_and_assistant_for_messages(tok):
+    (ids, mask), = _encode("messages", tok, [{"messages": MULTI_TURN}], "all")
+    assert all(mask) and ids == assistant_mask(tok, CHATML_QWEN, MULTI_TURN)[0]
+    (ids, mask), = _encode("messages", tok, [{"messages": MULTI_TURN}], "assistant")
+    assert trained_spans(tok, ids, mask) == ASSISTANT_TURNS
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_prompt_completion_strings(tok, tokenizer):
+    t = tok if tokenizer == "bpe" else ByteTokenizer()
+    (ids, mask), = _encode("prompt_completion", t, [{"prompt": "What is two plus two?", "completion": " Four."}],
+                           "completion", None)
+    assert ids == t.encode("What is two plus two?") + t.encode(" Four.") + [t.eos_token_id]  # EOS: learn to stop
+    assert t.decode([i for i, m in zip(ids, mask) if m]) == (" Four.<|im_end|>" if tokenizer == "bpe" else " Four.")
+    assert mask[-1] == 1 and not any(mask[:len(t.encode("What is two plus two?"))])
+    (_, mask), = _encode("prompt_completion", t, [{"prompt": "Q", "completion": "A"}], "all", None)
+    assert all(mask)
+    with pytest.raises(ConfigError, match="row 0 of --dataset: --loss_on assistant needs message lists"):
+        _encode("prompt_completion", t, [{"prompt": "Q", "completion": "A"}], "assistant", None)
+
+
+def test_prompt_completion_messages(tok):
+    row = {"prompt": MULTI_TURN[:4], "completion": MULTI_TURN[4:]}  # completion: a tool result and an answer
+    (ids, mask), = _encode("prompt_completion", tok, [row], "completion")
+    assert ids == assistant_mask(tok, CHATML_QWEN, MULTI_TURN)[0]
+    assert trained_spans(tok, ids, mask) == ["<|im_start|>user\n<tool_response>\nsat on the mat\n</tool_response>"
+                                             "<|im_end|>\n<|im_start|>assistant\nIt sat on the mat.<|im_end|>"]
+    head = assistant_mask(tok, CHATML_QWEN, MULTI_TURN[:4])[0]
+    assert not any(mask[:len(head) - 1])
+    (ids, mask), = _encode("prompt_completion", tok, [row], "assistant")  # every assistant turn, the prompt's too
+    assert trained_spans(tok, ids, mask) == ASSISTANT_TURNS
+    ids, mask = completion_mask(tok, CHATML_QWEN, MULTI_TURN[1:2], MULTI_TURN[2:3])
+    assert trained_spans(tok, ids, mask) == ASSISTANT_TURNS[:1]
+
+
+def test_pre_tokenized_with_labels_or_assistant_masks(tok):
+    ids = [5, 6, 7, 8, 9]
+    (got, mask), = _encode("tokens", tok, [{"input_ids": ids, "labels": [-100, -100, 7, 8, -100]}], "labels")
+    assert got == ids and mask == [0, 0, 1, 1, 0]
+    (got, mask), = _encode("tokens", tok, [{"input_ids": ids, "assistant_masks": [0, 1, 1, 0, 0]}], "assistant_masks")
+    assert mask == [0, 1, 1, 0, 0]
+    (_, mask), = _encode("tokens", tok, [{"input_ids": ids, "labels": [-100] * 5}], "all")
+    assert mask == [1] * 5
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `labels` must be the input_ids, unshifted, with -100 "
+                                          r"where not trained; at position 1 the label is 7 and the token 6"):
+        _encode("tokens", tok, [{"input_ids": ids, "labels": [-100, 7, 8, 9, -100]}], "labels")  # shifted
+    with pytest.raises(ConfigError, match="`assistant_masks` has 4 entries and `input_ids` 5"):
+        _encode("tokens", tok, [{"input_ids": ids, "assistant_masks": [0, 1, 1, 0]}], "assistant_masks")
+
+
+def test_bad_rows_name_the_row(tok):
+    with pytest.raises(ConfigError, match=r"row 1 of --dataset: `messages` must be a non-empty list of \{role, "
+                                          r"content\} objects"):
+        _encode("messages", tok, [{"messages": MULTI_TURN}, {"messages": "hello"}], "assistant")
+    raising = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ConfigError, match="row 0 of --dataset: the chat template .* Conversation roles must alternate"):
+        _encode("messages", tok, [{"messages": MULTI_TURN}], "assistant", raising)
+
+
+def test_format_detection_and_loss_on():
+    assert detect_format(["messages", "id"], "auto", None) == "messages"
+    assert detect_format(["prompt", "completion"], "auto", None) == "prompt_completion"
+    assert detect_format(["input_ids", "labels"], "auto", None) == "tokens"
+    assert detect_format(["text", "messages"], "auto", "text") == "text"  # --text_column asks for text
+    assert detect_format(["text"], "auto", None) == "text"
+    with pytest.raises(ConfigError, match=r"--data_format messages needs the column\(s\) \['messages'\]; the dataset "
+                                          r"has \['text'\]"):
+        detect_format(["text"], "messages", None)
+    with pytest.raises(ConfigError, match=r"no 'text' column in the dataset \(columns: \['body'\]\), nor .*"
+                                          r"--text_column, or the format with --data_format"):
+        detect_format(["body"], "auto", None)
+    assert resolve_loss_on("messages", "auto", []) == "assistant"
+    assert resolve_loss_on("prompt_completion", "auto", []) == "completion"
+    assert resolve_loss_on("tokens", "auto", ["input_ids", "labels"]) == "labels"
+    assert resolve_loss_on("tokens", "auto", ["input_ids"]) == "all"
+    assert resolve_loss_on("tokens", "all", ["input_ids", "assistant_masks"]) == "all"
+    with pytest.raises(ConfigError, match="--loss_on completion does not apply to messages data"):
+        resolve_loss_on("messages", "completion", [])
+    with pytest.raises(ConfigError, match="--loss_on assistant does not apply to text data"):
+        resolve_loss_on("text", "assistant", [])
+    with pytest.raises(ConfigError, match="--loss_on assistant: pre-tokenized data .* neither"):
+        resolve_loss_on("tokens", "assistant", ["input_ids"])
+
+
+# ---------------------------------------------------------------- through datasets and the cache
+
+def _samples(path, tmp_path, tok, **kw):
+    fmt = kw.pop("fmt", "auto")
+    corpus = load_corpus(str(path))
+    fmt = detect_format(list(corpus.column_names), fmt, None)
+    return sft_samples(corpus, fmt, tok, kw.pop("seq_len", 128), dataset=str(path), split="train",
+                       cache_dir=str(tmp_path / "cache"), **kw)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_stored_conversations_and_the_cache_key(tok, tmp_path, suffix):
+    import datasets
+
+    rows = [{"messages": MULTI_TURN}, {"messages": MULTI_TURN[1:3]}]
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    if suffix == "parquet":
+        path = str(tmp_path / "chats.parquet")
+        datasets.Dataset.from_list(rows).to_parquet(path)
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_QWEN)
+    samples, store, settings = _samples(path, tmp_path, tok, chat_template=str(template))
+    assert not store.cache_hit and settings["chat_template"] == CHATML_QWEN and settings["loss_on"] == "assistant"
+    for c, messages in enumerate((MULTI_TURN, MULTI_TURN[1:3])):
+        ids, mask = assistant_mask(tok, CHATML_QWEN, messages)
+        piece = slice(store.doc_starts[c], store.doc_starts[c] + len(ids))
+        assert np.array_equal(store.tokens[piece], ids) and np.array_equal(store.trained[piece], mask)
+    assert len(store.tokens) == store.doc_starts[1] + len(assistant_mask(tok, CHATML_QWEN, MULTI_TURN[1:3])[0])
+    assert _samples(path, tmp_path, tok, chat_template=str(template))[1].cache_hit
+    assert not _samples(path, tmp_path, tok, chat_template=str(template), loss_on="all")[1].cache_hit
+    template.write_text(CHATML_PLAIN)  # the same file, another text: another store (with the same masks)
+    plain = _samples(path, tmp_path, tok, chat_template=str(template))[1]
+    assert not plain.cache_hit and np.array_equal(plain.trained, store.trained)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "save_to_disk"])
+def test_prompt_completion_message_lists_through_the_store(tok, tmp_path, kind):
+    import datasets
+
+    rows = [{"prompt": MULTI_TURN[:2], "completion": MULTI_TURN[2:3]}] * 2
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    if kind == "save_to_disk":
+        path = str(tmp_path / "saved")
+        datasets.Dataset.from_list(rows).save_to_disk(path)
+    samples, store, settings = _samples(path, tmp_path, tiny_tokenizer(template=CHATML_PLAIN))
+    assert settings["data_format"] == "prompt_completion" and settings["loss_on"] == "completion"
+    assert settings["chat_template"] == CHATML_PLAIN and len(samples) == 2
+    ids, labels, valid, _ = samples.sample(0)
+    assert trained_spans(tok, ids[:valid].tolist(), (labels[:valid] != -100).tolist()) == ASSISTANT_TURNS[:1]
+
+
+def test_prompt_completion_strings_need_no_template(tmp_path):
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": "4"}] * 3)
+    samples, store, settings = _samples(path, tmp_path, ByteTokenizer(), seq_len=16)
+    assert settings["chat_template"] is None and settings["data_format"] == "prompt_completion"
+    assert np.asarray(store.tokens[:6]).tolist() == [ord(c) + 3 for c in "2+2=4"] + [1]
+    assert np.asarray(store.trained[:6]).tolist() == [0, 0, 0, 0, 1, 1]
+    with pytest.raises(ConfigError, match="the tokenizer .* has no chat template"):  # message lists do need one
+        _samples(write_jsonl(tmp_path / "m.jsonl", [{"messages": MULTI_TURN}]), tmp_path, ByteTokenizer())
