@@ -24,8 +24,8 @@ def step_counts(run, batches: list[dict]) -> torch.Tensor:
     all-reduce). The tokens are the loss's denominator, so the loss is the mean over the global batch however the
     tokens fall (SFT data does not give every micro-batch the same count; a micro-batch or SP shard without any
     contributes zero). Counted from the whole sequences, which every rank of an SP group holds."""
-    counts = torch.tensor([float(sum(trainable_tokens(b) for b in batches)),
-                           float(sum(b.get("conversations", 0) for b in batches))], device=run.device)
+    counts = torch.tensor([sum(trainable_tokens(b) for b in batches), sum(b.get("conversations", 0) for b in batches)],
+                          dtype=torch.float64, device=run.device)  # exact far past fp32's 16.7M tokens a step
     if run.groups.dp_size > 1:
         dist.all_reduce(counts, group=run.groups.dp_group)
     return counts
@@ -43,7 +43,7 @@ def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor) -> t
     padded = shard["input_ids"].shape[1] * g.sp_size - batch["input_ids"].shape[1]
     docs = batch["docs"]  # the padding added for sp is one more (ignored) document
     run.attention.doc_lengths = [row + [padded] for row in docs] if docs is not None and padded else docs
-    loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.clamp(min=1.0))
+    loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.float().clamp(min=1.0))
     if loss_is_skipped(loss, step, run.cfg.skip_nonfinite):
         return loss.detach(), True
     # DeepSpeed averages gradients over DP ranks and micro-steps; each share is already / the global count, so
