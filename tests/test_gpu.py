@@ -263,6 +263,26 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
         assert _rel(grad, results[False][1][name]) < 1e-2, name
 
 
+def test_fa4_varlen_equals_sdpa_per_document_on_gpu():
+    """Packed documents through FA4's varlen kernel (one call) against cuDNN/SDPA run document by document, bf16:
+    outputs and gradients within bf16 noise, on two rows packed differently with GQA."""
+    from ulysses_train.sp.kernels import KERNELS, kernel_available
+
+    if not kernel_available("flash_attn_4"):
+        pytest.skip("flash_attn_4 not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    docs = [[1000, 2500, 596], [4096]]
+    q, k, v = (torch.randn(2, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for h in (32, 8, 8))
+    dout = torch.randn(2, S, 32, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    results = {}
+    for kernel in ("flash_attn_4", "sdpa"):
+        out = KERNELS[kernel](q, k, v, D ** -0.5, docs)
+        results[kernel] = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    for got, want in zip(results["flash_attn_4"], results["sdpa"]):
+        assert _rel(got, want) < 1e-2
+
+
 def test_fused_kernels_train_as_transformers_ops(tmp_path):
     """The real trainer on CUDA, 4 steps, with our Triton norms, rotary and SwiGLU (the default `auto` there) against
     transformers' ops with the lean norm: the log names the kernels, and losses and gradient norms agree to bf16

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -22,7 +21,7 @@ OFFLOAD_MIN_BYTES = 1 << 20  # small tensors are not worth a copy
 
 
 class PinnedPool:
-    """Host buffers of exactly the requested size, pinned once and reused by every later step (same sizes return).
+    """Host memory for one step's offloaded tensors: registered once, handed out in order, all idle after the backward.
 
     Why not `torch.empty(..., pin_memory=True)`: PyTorch's caching host allocator rounds each block up to a power of
     two, so a 640 MiB checkpoint (131k tokens x 2560 x 2 bytes) pins 1 GiB: on the H200 host memory beyond the
@@ -30,31 +29,53 @@ class PinnedPool:
     GiB) plus ~2 GiB of process. Here pageable memory is registered with CUDA (cudaHostRegister, as torch's own
     checkpoint stager does), and what is left beyond the offloaded bytes is the process: 2.8 GiB at 64k, 2.2 GiB at
     131k (docs/benchmarks.md). If registering fails we fall back to torch's pinned memory.
+
+    Why one region cut in order rather than a buffer per size: with packed documents the kept attention outputs
+    come per document, so their sizes change every step while their sum does not. Buffers kept by size grew by a
+    step's worth of host memory at every new packing (59 GiB a step at 131k on Qwen3-4B, killed by the host's OOM
+    killer at the third step). Here a step takes its tensors from the region one after the other; a step that needs
+    more than the region takes extra chunks, and after it the chunks are replaced by one region of that step's size
+    (plus a margin). So the pool holds the largest step's bytes, whatever the shapes, and registers memory again
+    only when a step is larger than every step before it.
     `pin=False` gives plain host memory (what the tests exercise).
 
-    The pool holds every buffer it made (idle or lent), so none is freed while registered; `release` (also run when
-    the pool is collected) unregisters them. Memory freed while still registered would stay known to CUDA: a later
-    host allocation at the same address then fails its copies with "invalid argument" (seen on the H200 in a test
-    process that built a second model after an offloaded one)."""
+    Memory freed while still registered would stay known to CUDA: a later host allocation at the same address then
+    fails its copies with "invalid argument" (seen on the H200 in a test process that built a second model after an
+    offloaded one), so `release` (also run when the pool is collected) unregisters everything it registered."""
+
+    ALIGN = 4096  # every tensor starts on a page: any dtype's alignment, and DMA-friendly
+    MIN_CHUNK = 64 << 20  # extra chunks in a step that outgrew the region: fewer, larger registrations
+    MARGIN = 1.02  # a region of the largest step's bytes plus 2%: steps of packed samples differ by a little
 
     def __init__(self, pin: bool):
         self.pin = pin
-        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> idle buffers
-        self.lent: list[torch.Tensor] = []
-        self.bytes = 0  # all buffers, idle or lent
+        self.chunks: list[torch.Tensor] = []  # uint8 host buffers; chunks[0] is the region once a step has run
+        self.chunk = 0  # where the next tensor goes: chunk index and byte offset in it
+        self.offset = 0
+        self.used = 0  # bytes handed out in this step (aligned)
+        self.bytes = 0  # all chunks
         self.registered: list[int] = []  # data pointers registered with cudaHostRegister
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
-        buf = self.free[nbytes].pop() if self.free[nbytes] else self._new(nbytes)
-        self.lent.append(buf)
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        while self.chunk < len(self.chunks) and self.offset + size > self.chunks[self.chunk].numel():
+            self.chunk, self.offset = self.chunk + 1, 0
+        if self.chunk == len(self.chunks):
+            self.chunks.append(self._new(max(size, self.MIN_CHUNK)))
+        buf = self.chunks[self.chunk][self.offset:self.offset + nbytes]
+        self.offset += size
+        self.used += size
         return buf.view(dtype).view(shape)
 
     def give_back_all(self) -> None:
-        """After the backward: every buffer lent in this step is idle again."""
-        for buf in self.lent:
-            self.free[buf.numel()].append(buf)
-        self.lent = []
+        """After the backward (no copy to or from the host in flight): everything is free for the next step. A step
+        that needed extra chunks leaves one region of its size instead."""
+        if len(self.chunks) > 1:
+            need = -(-int(self.used * self.MARGIN) // self.ALIGN) * self.ALIGN
+            self.release()
+            self.chunks = [self._new(need)]
+        self.chunk = self.offset = self.used = 0
 
     def _new(self, nbytes: int) -> torch.Tensor:
         self.bytes += nbytes
@@ -74,7 +95,8 @@ class PinnedPool:
             torch.cuda.synchronize()
             for ptr in self.registered:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
-        self.registered, self.free, self.lent, self.bytes = [], defaultdict(list), [], 0
+        self.registered, self.chunks, self.bytes = [], [], 0
+        self.chunk = self.offset = self.used = 0
 
     def __del__(self):
         try:
@@ -152,8 +174,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         """After the backward: this step's host buffers are free for the next (the compute stream has waited for
         every copy back, and the next step's copies out are queued after it). Keeps the peak for the metrics."""
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        self.groups = [[]]  # drop this step's views first: the pool may replace its memory
         self.pool.give_back_all()
-        self.groups = [[]]
         self.host_bytes = 0
 
 

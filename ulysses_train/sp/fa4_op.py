@@ -8,6 +8,10 @@ like SDPA's, and to the offload, which moves them to the host. On the H200 FA4 r
 TFLOP/s against cuDNN's 541-552 at 64k-131k tokens (benchmarks/attn_bench.py, docs/benchmarks.md).
 
 Layout (b, s, h, d) for q, k, v and out, lse (b, h, s) fp32; GQA native (k, v with fewer heads); causal.
+Packed documents go through `ulysses::fa4_varlen_fwd` / `fa4_varlen_bwd`: q, k, v, out (total, h, d), lse (h, total),
+documents given by `cu_seqlens` (int32, their start offsets and the total). One kernel call per layer for every
+document, rather than one per document: the kept outputs then have the same shapes at every step, and a sample of
+many short conversations does not pay a launch per conversation.
 `IMPL` holds the two kernel calls; the CPU tests swap in an exact reference to check the op plumbing (keeping,
 offload, gradients) without the package or a GPU.
 """
@@ -35,7 +39,26 @@ def _fa4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return dq, dk, dv
 
 
-IMPL: dict[str, Callable] = {"forward": _fa4_forward, "backward": _fa4_backward}
+def _fa4_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                               max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+def _fa4_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
+                         max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True, cu_seqlens_q=cu_seqlens,
+                                 cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
+    return dq, dk, dv
+
+
+IMPL: dict[str, Callable] = {"forward": _fa4_forward, "backward": _fa4_backward,
+                             "varlen_forward": _fa4_varlen_forward, "varlen_backward": _fa4_varlen_backward}
 
 
 @torch.library.custom_op("ulysses::fa4_fwd", mutates_args=())
@@ -75,12 +98,59 @@ def _backward(ctx, dout, _dlse):  # lse is an auxiliary output: nothing differen
 
 fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
+
+
+@torch.library.custom_op("ulysses::fa4_varlen_fwd", mutates_args=())
+def fa4_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    return IMPL["varlen_forward"](q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@fa4_varlen_fwd.register_fake
+def _fa4_varlen_fwd_fake(q, k, v, cu_seqlens, max_seqlen, scale):
+    total, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((h, total), dtype=torch.float32)
+
+
+@torch.library.custom_op("ulysses::fa4_varlen_bwd", mutates_args=())
+def fa4_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
+                   max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return IMPL["varlen_backward"](dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale)
+
+
+@fa4_varlen_bwd.register_fake
+def _fa4_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ulysses.fa4_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
+                                                  ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+fa4_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
 FORWARD_OP = torch.ops.ulysses.fa4_fwd.default
+VARLEN_FORWARD_OP = torch.ops.ulysses.fa4_varlen_fwd.default
 
 
 def fa4_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q (b, s, hq, d), k/v (b, s, hkv, d) -> (b, s, hq, d), causal."""
     return fa4_fwd(q, k, v, scale)[0]
+
+
+def fa4_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
+    """q (total, hq, d), k/v (total, hkv, d), documents at `cu_seqlens` -> (total, hq, d), causal in each."""
+    return fa4_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale)[0]
 
 
 # ---------------------------------------------------------------- exact reference (CPU tests)
@@ -119,3 +189,24 @@ def reference_backward(dout, q, k, v, out, lse, scale):
         return t.reshape(b, kv_heads, h // kv_heads, n, d).sum(2).transpose(1, 2).contiguous()
 
     return dq.transpose(1, 2).contiguous(), per_kv(dk, k.shape[2]), per_kv(dv, v.shape[2])
+
+
+def reference_varlen_forward(q, k, v, cu_seqlens, max_seqlen, scale):
+    """The varlen kernel in plain ops: each document through `reference_forward`; lse (h, total)."""
+    outs, lses = [], []
+    for a, b in zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist()):
+        out, lse = reference_forward(q[None, a:b], k[None, a:b], v[None, a:b], scale)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def reference_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    grads = [reference_backward(dout[None, a:b], q[None, a:b], k[None, a:b], v[None, a:b], out[None, a:b],
+                                lse[None, :, a:b], scale)
+             for a, b in zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())]
+    return tuple(torch.cat([g[i][0] for g in grads]) for i in range(3))
+
+
+REFERENCE_IMPL = {"forward": reference_forward, "backward": reference_backward,
+                  "varlen_forward": reference_varlen_forward, "varlen_backward": reference_varlen_backward}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .fa4_op import FORWARD_OP, fa4_attention
+from .fa4_op import FORWARD_OP, VARLEN_FORWARD_OP, fa4_attention, fa4_varlen_attention
 
 def _per_document(kernel, q, k, v, scale, docs):
     """Runs a dense causal kernel on each document separately (exact; efficient for book-length documents)."""
@@ -43,25 +43,37 @@ def _sdpa(q, k, v, scale: float, docs=None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).transpose(1, 2)
 
 
+def _cu_seqlens(docs, device) -> tuple[torch.Tensor, int]:
+    """Every batch row's documents, one after the other: their int32 start offsets and the total, the longest."""
+    lengths = [n for row in docs for n in row]
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return cu.to(device), max(lengths)
+
+
 def _flash_attn(q, k, v, scale: float, docs=None) -> torch.Tensor:
     from flash_attn import flash_attn_func, flash_attn_varlen_func  # FA2 (and FA3's compatible interface)
 
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d), the layout FlashAttention takes
     if docs is None:
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
-    lengths = torch.tensor([n for row in docs for n in row], device=q.device, dtype=torch.int32)
-    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    cu, longest = _cu_seqlens(docs, q.device)
     b, s = q.shape[:2]
-    out = flash_attn_varlen_func(*(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)), cu, cu,
-                                 int(lengths.max()), int(lengths.max()), softmax_scale=scale, causal=True)
+    out = flash_attn_varlen_func(*(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)), cu, cu, longest, longest,
+                                 softmax_scale=scale, causal=True)
     return out.reshape(b, s, *out.shape[1:])
 
 
 def _flash_attn_4(q, k, v, scale: float, docs=None) -> torch.Tensor:
-    """FlashAttention-4 (package flash-attn-4) through our registered op, so that its outputs can be kept."""
-    if docs is not None:
-        return _per_document(_flash_attn_4, q, k, v, scale, docs)
-    return fa4_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale)  # (b, s, h, d) views, GQA native
+    """FlashAttention-4 (package flash-attn-4) through our registered ops, so that its outputs can be kept; packed
+    documents in one varlen call."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d) views, GQA native
+    if docs is None:
+        return fa4_attention(q, k, v, scale)
+    cu, longest = _cu_seqlens(docs, q.device)
+    b, s = q.shape[:2]
+    # (b, s, h, d) -> (b*s, h, d): a copy where the all-to-all left q, k, v strided, as the kernel needs
+    out = fa4_varlen_attention(*(t.reshape(b * s, *t.shape[2:]).contiguous() for t in (q, k, v)), cu, longest, scale)
+    return out.view(b, s, *out.shape[1:])
 
 
 KERNELS: dict[str, Callable] = {"sdpa": _sdpa, "flash_attn": _flash_attn, "flash_attn_4": _flash_attn_4}
@@ -112,7 +124,7 @@ ATTENTION_OPS = [getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(torch.ops.aten, name)]
-ATTENTION_OPS.append(FORWARD_OP)
+ATTENTION_OPS += [FORWARD_OP, VARLEN_FORWARD_OP]
 try:
     ATTENTION_OPS.append(torch.ops.flash_attn._flash_attn_forward.default)
 except (AttributeError, RuntimeError):
