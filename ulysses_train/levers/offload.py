@@ -30,13 +30,15 @@ class PinnedPool:
     checkpoint stager does), and what is left beyond the offloaded bytes is the process: 2.8 GiB at 64k, 2.2 GiB at
     131k (docs/benchmarks.md). If registering fails we fall back to torch's pinned memory.
 
-    Why one region cut in order rather than a buffer per size: with packed documents the kept attention outputs
-    come per document, so their sizes change every step while their sum does not. Buffers kept by size grew by a
-    step's worth of host memory at every new packing (59 GiB a step at 131k on Qwen3-4B, killed by the host's OOM
-    killer at the third step). Here a step takes its tensors from the region one after the other; a step that needs
-    more than the region takes extra chunks, and after it the chunks are replaced by one region of that step's size
-    (plus a margin). So the pool holds the largest step's bytes, whatever the shapes, and registers memory again
-    only when a step is larger than every step before it.
+    Why chunks filled in order rather than a buffer per size: with packed documents a kernel run per document (SDPA;
+    FA4 did before it ran them in one varlen call) keeps outputs per document, whose sizes change every step while
+    their sum does not. Buffers kept by size grew by a step's worth of host memory at every new packing (59 GiB a
+    step at 131k on Qwen3-4B: the host's OOM killer stopped the run at its third step). Here each step hands out its
+    tensors in order from the same chunks, skipping a chunk whose rest is too small; a step that runs past the last
+    chunk adds one. Tensors of a run whose shapes repeat land where they did the step before, in chunks of their own
+    size. If a step that added a chunk leaves more than 2% of the pool unused, the pool is replaced by one chunk of
+    that step's size plus 2%: the pool then holds about the largest step's bytes whatever the shapes, and registers
+    memory again only when a step is larger than every step before it.
     `pin=False` gives plain host memory (what the tests exercise).
 
     Memory freed while still registered would stay known to CUDA: a later host allocation at the same address then
@@ -44,15 +46,16 @@ class PinnedPool:
     offloaded one), so `release` (also run when the pool is collected) unregisters everything it registered."""
 
     ALIGN = 4096  # every tensor starts on a page: any dtype's alignment, and DMA-friendly
-    MIN_CHUNK = 64 << 20  # extra chunks in a step that outgrew the region: fewer, larger registrations
-    MARGIN = 1.02  # a region of the largest step's bytes plus 2%: steps of packed samples differ by a little
+    MIN_CHUNK = 64 << 20  # a new chunk's least size: small tensors share chunks (fewer registrations)
+    MARGIN = 1.02  # a pool of the largest step's bytes plus 2%: steps of packed samples differ by a little
 
     def __init__(self, pin: bool):
         self.pin = pin
-        self.chunks: list[torch.Tensor] = []  # uint8 host buffers; chunks[0] is the region once a step has run
+        self.chunks: list[torch.Tensor] = []  # uint8 host buffers, filled in order every step
         self.chunk = 0  # where the next tensor goes: chunk index and byte offset in it
         self.offset = 0
         self.used = 0  # bytes handed out in this step (aligned)
+        self.grew = False  # this step added a chunk
         self.bytes = 0  # all chunks
         self.registered: list[int] = []  # data pointers registered with cudaHostRegister
 
@@ -63,6 +66,7 @@ class PinnedPool:
             self.chunk, self.offset = self.chunk + 1, 0
         if self.chunk == len(self.chunks):
             self.chunks.append(self._new(max(size, self.MIN_CHUNK)))
+            self.grew = True
         buf = self.chunks[self.chunk][self.offset:self.offset + nbytes]
         self.offset += size
         self.used += size
@@ -70,12 +74,13 @@ class PinnedPool:
 
     def give_back_all(self) -> None:
         """After the backward (no copy to or from the host in flight): everything is free for the next step. A step
-        that needed extra chunks leaves one region of its size instead."""
-        if len(self.chunks) > 1:
+        that added chunks and left more than 2% of the pool unused leaves one chunk of its size instead."""
+        if self.grew and self.bytes > self.used * self.MARGIN:
             need = -(-int(self.used * self.MARGIN) // self.ALIGN) * self.ALIGN
             self.release()
             self.chunks = [self._new(need)]
         self.chunk = self.offset = self.used = 0
+        self.grew = False
 
     def _new(self, nbytes: int) -> torch.Tensor:
         self.bytes += nbytes
@@ -97,6 +102,7 @@ class PinnedPool:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
         self.registered, self.chunks, self.bytes = [], [], 0
         self.chunk = self.offset = self.used = 0
+        self.grew = False
 
     def __del__(self):
         try:
