@@ -93,8 +93,8 @@ def _three_kernels(h, w, y, normalizer, dtype):
 
 
 @pytest.mark.usefixtures("liger")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ignore_rows", [(), tuple(range(0, 40)), tuple(range(3, 96, 3))])
+@pytest.mark.parametrize("dtype,ignore_rows", [(torch.float32, ()), (torch.float32, tuple(range(3, 96, 3))),
+                                               (torch.bfloat16, tuple(range(0, 40)))])
 def test_liger_loss_matches_ours_and_plain(dtype, ignore_rows):
     """Liger's loss (reduction "sum" / our normaliser) against ours and the plain loss, loss and both gradients.
     96 rows, hidden 64, vocabulary 200: Liger cuts the rows into chunks of 32 (96 / ceil(200 / 64) rounded up to a
