@@ -104,6 +104,45 @@ def fused_linear_cross_entropy(hidden, weight, labels, normalizer, chunk_size: i
     return _FusedLinearCE.apply(hidden.flatten(0, -2), weight, labels.flatten(), normalizer, chunk_size)
 
 
+class LMHeadWithLoss(nn.Linear):
+    """The model's LM head, able to return the loss instead of logits.
+
+    `install_loss_head(model)` (model/surgery.py) swaps the head's class in place (same parameters, same tying), so that calling
+    `lm_head(hidden, labels=..., normalizer=...)` goes through the module's `__call__`: ZeRO-3's hooks gather the
+    partitioned weight for the forward and again before this module's backward."""
+
+    chunk_size: int = 4096
+    fused: bool = True
+    kernel: str = "ours"  # of the fused loss: "liger" trains on Liger-Kernel's; without autograd ours runs
+
+    def forward(self, hidden, labels=None, normalizer=None):
+        if labels is None:
+            return super().forward(hidden)
+        if self.kernel == "liger" and self.bias is None and hidden.requires_grad and torch.is_grad_enabled():
+            return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer)
+        if self.bias is not None:
+            raise NotImplementedError("an LM head with a bias is not supported by the loss head")
+        if self.fused:
+            return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size)
+        return plain_loss(super().forward(hidden), labels, normalizer)
+
+
+class CausalLMWithSPLoss(nn.Module):
+    """One module whose forward is backbone + loss head, so the DeepSpeed engine's forward drives both."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, labels, normalizer):
+        # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
+        return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)
+
+
+# ---------------------------------------------------------------- Liger-Kernel's fused loss (--loss_kernel liger)
+
+
 def liger_installed() -> bool:
     """liger-kernel and Triton are installed (found, not imported: importing Liger takes seconds)."""
     return all(importlib.util.find_spec(name) is not None for name in ("liger_kernel", "triton"))
@@ -158,39 +197,3 @@ def liger_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         if not err <= tol:  # NaN fails too
             return f"its {what} differs from ours by {err:.1e} (tolerance {tol:.0e})"
     return None
-
-
-class LMHeadWithLoss(nn.Linear):
-    """The model's LM head, able to return the loss instead of logits.
-
-    `install_loss_head(model)` (model/surgery.py) swaps the head's class in place (same parameters, same tying), so that calling
-    `lm_head(hidden, labels=..., normalizer=...)` goes through the module's `__call__`: ZeRO-3's hooks gather the
-    partitioned weight for the forward and again before this module's backward."""
-
-    chunk_size: int = 4096
-    fused: bool = True
-    kernel: str = "ours"  # of the fused loss: "liger" trains on Liger-Kernel's; without autograd ours runs
-
-    def forward(self, hidden, labels=None, normalizer=None):
-        if labels is None:
-            return super().forward(hidden)
-        if self.kernel == "liger" and self.bias is None and hidden.requires_grad and torch.is_grad_enabled():
-            return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer)
-        if self.bias is not None:
-            raise NotImplementedError("an LM head with a bias is not supported by the loss head")
-        if self.fused:
-            return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size)
-        return plain_loss(super().forward(hidden), labels, normalizer)
-
-
-class CausalLMWithSPLoss(nn.Module):
-    """One module whose forward is backbone + loss head, so the DeepSpeed engine's forward drives both."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, position_ids, labels, normalizer):
-        # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
-        return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)
