@@ -9,7 +9,10 @@ setup(
     # torch is not pinned: bring the build that matches your accelerator (CI installs torch==2.13.0, a CPU build)
     install_requires=["torch>=2.5", "deepspeed>=0.18", "transformers>=5.0", "accelerate>=1.0", "tqdm", "numpy",
                       "tokenizers", "safetensors", "datasets>=3.0",
-                      "matplotlib"],  # the pictures of --profile_memory and eval_positions
+                      "matplotlib",  # the pictures of --profile_memory and eval_positions
+                      # the fused loss on CUDA (--loss_kernel); it needs torch and Triton, whose wheels are Linux's.
+                      # Imported only where that loss runs, so the package imports without it
+                      "liger-kernel>=0.8.5; platform_system == 'Linux'"],
     extras_require={
         # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
         "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny"],

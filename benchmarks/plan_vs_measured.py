@@ -22,7 +22,7 @@ for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs
     r = json.load(open(path))
     if "argv" not in r or r["levers"]["loss"] == "plain":  # not a step_bench result; the planner models the fused loss
         continue
-    levers = Levers(**r["levers"])
+    levers = Levers(**{"loss_kernel": "ours", **r["levers"]})  # runs from before --loss_kernel had ours
     config = load_model_config(None, "qwen3-4b", r["layers"])
     est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
     errors.append(est / r["peak_gpu_gib"] - 1)

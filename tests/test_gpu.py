@@ -123,7 +123,8 @@ def _nccl_single(dtype_name, seed):
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_sp2_model_under_zero3_over_nccl(dtype_name):
-    """The CPU model-equivalence test on 2 GPUs: tiny Qwen3, ZeRO-3, SP=2 over NCCL against one process in fp32.
+    """The CPU model-equivalence test on 2 GPUs, with both loss kernels (ours, Liger's): tiny Qwen3, ZeRO-3, SP=2
+    over NCCL against one process in fp32.
     fp32: 1e-5 as on CPU (TF32 stays off: torch's default for matmuls). bf16: every parameter's gradient within
     5e-2 relative norm of the fp32 reference (bf16 weights and activations, 8 mantissa bits, through 2 layers)."""
     if torch.cuda.device_count() < 2:
@@ -131,9 +132,9 @@ def test_sp2_model_under_zero3_over_nccl(dtype_name):
     from tests.test_model_equivalence import _reference, _sharded
 
     _, _, ref_loss, ref_grads = _reference("qwen3", 3, "fused")
-    results = run_distributed(_sharded, 2, "qwen3", 3, "fused", 3, True, False, dtype_name, use_deepspeed=True,
-                              backend="nccl")
-    for loss, grads in results:
+    results = run_distributed(_sharded, 2, "qwen3", 3, "fused", 3, True, False, dtype_name, False, ("ours", "liger"),
+                              use_deepspeed=True, backend="nccl")
+    for loss, grads in (by_kernel[kernel] for by_kernel in results for kernel in ("ours", "liger")):
         if dtype_name == "float32":
             assert loss == pytest.approx(ref_loss, rel=1e-5)
             for name, ref in ref_grads.items():
@@ -142,6 +143,37 @@ def test_sp2_model_under_zero3_over_nccl(dtype_name):
             assert loss == pytest.approx(ref_loss, rel=2e-2)
             for name, ref in ref_grads.items():
                 assert _rel(grads[name], ref) < 5e-2, name
+
+
+def test_liger_loss_matches_ours_at_scale():
+    """Liger's loss as the trainer calls it (the default on CUDA) against ours and the float64 plain loss of the same
+    bf16 operands: 16,384 tokens, vocabulary 32,000, hidden 1,024, so Liger cuts 32 parts of 512 rows and ours 4
+    chunks of 4,096. The self-check passes in both dtypes. Losses: both sum in fp32 from bf16 logits (1e-4, which
+    also covers cuBLAS rounding a logit differently for another chunk shape); gradients: one bf16 rounding of the
+    logits' gradient and of each matmul (1e-2 relative norm)."""
+    from ulysses_train.levers.loss import fused_linear_cross_entropy, liger_check, liger_linear_cross_entropy
+    from ulysses_train.levers.loss import plain_loss
+
+    assert liger_check(torch.device("cuda"), torch.float32) is None
+    assert liger_check(torch.device("cuda"), torch.bfloat16) is None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(16384, 1024, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(32000, 1024, device="cuda", generator=g) * 0.02).bfloat16()
+    y = torch.randint(0, 32000, (16384,), device="cuda", generator=g)
+    y[:3000] = -100
+    n = (y != -100).sum().float()
+    out = {}
+    for name, fn, dtype in (("liger", liger_linear_cross_entropy, torch.bfloat16),
+                            ("ours", fused_linear_cross_entropy, torch.bfloat16),
+                            ("plain", lambda h, w, y, n: plain_loss(h @ w.t(), y, n), torch.float64)):
+        h1, w1 = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+        loss = fn(h1, w1, y, n.to(torch.promote_types(dtype, torch.float32)))
+        loss.backward()
+        out[name] = (loss.detach(), h1.grad, w1.grad)
+    for ref in ("ours", "plain"):
+        assert _rel(out["liger"][0], out[ref][0]) < 1e-4, ref
+        assert _rel(out["liger"][1], out[ref][1]) < 1e-2, ref
+        assert _rel(out["liger"][2], out[ref][2]) < 1e-2, ref
 
 
 def test_profile_memory_on_cuda_writes_snapshot_and_picture(tmp_path):

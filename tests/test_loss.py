@@ -1,4 +1,5 @@
-"""The fused chunked loss equals the plain loss, values and gradients, including fully ignored chunks."""
+"""The fused chunked loss equals the plain loss, values and gradients, including fully ignored chunks; so does
+Liger-Kernel's (`--loss_kernel liger`, through Triton's interpreter on the CPU: conftest sets TRITON_INTERPRET=1)."""
 
 import pytest
 import torch
@@ -48,3 +49,142 @@ def test_backward_scale_follows_deepspeed_reduction_path():
     assert sp_backward_scale({"zero_optimization": {"stage": 3}}, 4) == 4
     assert sp_backward_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 4) == 1
     assert sp_backward_scale({"zero_optimization": {"stage": 2}}, 4) == 1
+
+
+# ---------------------------------------------------------------- Liger-Kernel's fused loss (--loss_kernel liger)
+
+LIGER_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def liger():
+    """Skips where Liger's loss cannot run (liger-kernel missing, or no CUDA and no Triton interpreter), saying why."""
+    from ulysses_train.levers.fused_kernels import kernels_run_on
+    from ulysses_train.levers.loss import liger_installed
+
+    if not liger_installed():
+        pytest.skip("liger-kernel is not installed (pip install liger-kernel)")
+    if not kernels_run_on(LIGER_DEVICE):
+        pytest.skip("Triton runs Liger's kernels on CUDA, or on the CPU under TRITON_INTERPRET=1 (conftest sets it)")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def _three_kernels(h, w, y, normalizer, dtype):
+    """(loss, dL/dh, dL/dW) of Liger's loss, ours and the plain loss in float64 on the same (rounded) operands, with
+    a non-unit upstream gradient (which Liger applies in its backward)."""
+    from ulysses_train.levers.loss import liger_linear_cross_entropy
+
+    runs = {"liger": liger_linear_cross_entropy,
+            "ours": lambda *a: fused_linear_cross_entropy(*a, chunk_size=16),
+            "plain": lambda h, w, y, n: plain_loss(h @ w.t(), y, n)}
+    out = {}
+    for name, fn in runs.items():
+        as_type = torch.float64 if name == "plain" else dtype
+        h1 = h.to(dtype).to(LIGER_DEVICE, as_type).clone().requires_grad_()
+        w1 = w.to(dtype).to(LIGER_DEVICE, as_type).clone().requires_grad_()
+        # the normaliser in fp32, as global_token_count gives it (float64 for the plain reference)
+        loss = fn(h1, w1, y.to(LIGER_DEVICE), normalizer.to(LIGER_DEVICE, torch.promote_types(as_type, torch.float32)))
+        (loss * 1.7).backward()
+        out[name] = (loss.detach().cpu(), h1.grad.cpu(), w1.grad.cpu())
+    return out
+
+
+@pytest.mark.usefixtures("liger")
+@pytest.mark.parametrize("dtype,ignore_rows", [(torch.float32, ()), (torch.float32, tuple(range(3, 96, 3))),
+                                               (torch.bfloat16, tuple(range(0, 40)))])
+def test_liger_loss_matches_ours_and_plain(dtype, ignore_rows):
+    """Liger's loss (reduction "sum" / our normaliser) against ours and the plain loss, loss and both gradients.
+    96 rows, hidden 64, vocabulary 200: Liger cuts the rows into chunks of 32 (96 / ceil(200 / 64) rounded up to a
+    power of two), so the head's gradient is summed over three chunks, one of them all ignored in the second case.
+
+    fp32: the same sums in another order, 2e-6 relative. bf16: both kernels round each logit to bf16 (the matmul's
+    output) and then sum in fp32, so their losses agree to 1e-5; each rounds the logits' gradient to bf16 once
+    (2^-9 relative, 2^-8 where Triton's CPU interpreter truncates instead of rounding) and its matmuls return bf16,
+    so the gradients are checked to 1.5e-2 relative norm on the CPU and 1e-2 on the GPU against ours and the float64
+    plain loss of the same bf16 operands (ours measures 4e-3 against it)."""
+    g = torch.Generator().manual_seed(len(ignore_rows))
+    h, w = torch.randn(96, 64, generator=g), torch.randn(200, 64, generator=g) * 0.3
+    y = torch.randint(0, 200, (96,), generator=g)
+    y[list(ignore_rows)] = IGNORE_INDEX
+    normalizer = torch.tensor(float((y != IGNORE_INDEX).sum()))
+    out = _three_kernels(h, w, y, normalizer, dtype)
+    loss_tol = 2e-6 if dtype == torch.float32 else 1e-5
+    grad_tol = 2e-6 if dtype == torch.float32 else (1.5e-2 if LIGER_DEVICE.type == "cpu" else 1e-2)
+    assert _rel(out["liger"][0], out["ours"][0]) < loss_tol
+    assert _rel(out["liger"][0], out["plain"][0]) < (loss_tol if dtype == torch.float32 else 2e-4)
+    for i, what in ((1, "dL/dh"), (2, "dL/dW")):
+        assert out["liger"][i].dtype == dtype
+        assert _rel(out["liger"][i], out["ours"][i]) < grad_tol, what
+        assert _rel(out["liger"][i], out["plain"][i]) < grad_tol, what
+
+
+@pytest.mark.usefixtures("liger")
+def test_liger_loss_with_every_label_ignored_is_zero():
+    from ulysses_train.levers.loss import liger_linear_cross_entropy
+
+    h = torch.randn(20, 16, device=LIGER_DEVICE, requires_grad=True)
+    w = torch.randn(40, 16, device=LIGER_DEVICE, requires_grad=True)
+    y = torch.full((20,), IGNORE_INDEX, device=LIGER_DEVICE)
+    loss = liger_linear_cross_entropy(h, w, y, torch.tensor(1.0, device=LIGER_DEVICE))  # global_token_count's floor
+    loss.backward()
+    assert loss.item() == 0.0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
+
+
+def _liger_head(vocab=50, hidden=16):
+    from ulysses_train.levers.loss import LMHeadWithLoss
+
+    head = torch.nn.Linear(hidden, vocab, bias=False, device=LIGER_DEVICE)
+    head.__class__, head.kernel = LMHeadWithLoss, "liger"
+    return head
+
+
+def test_liger_head_leaves_evaluation_to_ours(monkeypatch):
+    """Without autograd (evaluation) the head with kernel "liger" runs ours, and gives the plain loss; with it,
+    Liger's."""
+    from ulysses_train.levers import loss as loss_module
+
+    calls = []
+    monkeypatch.setattr(loss_module, "liger_linear_cross_entropy", lambda *a: calls.append(a) or torch.tensor(0.0))
+    head = _liger_head()
+    hidden = torch.randn(2, 9, 16, device=LIGER_DEVICE, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9), device=LIGER_DEVICE)
+    n = torch.tensor(18.0, device=LIGER_DEVICE)
+    with torch.no_grad():
+        got = head(hidden, labels=labels, normalizer=n)
+        want = plain_loss(hidden @ head.weight.t(), labels, n)
+    assert not calls
+    torch.testing.assert_close(got, want)
+    head(hidden, labels=labels, normalizer=n)
+    assert len(calls) == 1
+
+
+@pytest.mark.usefixtures("liger")
+def test_liger_check_accepts_liger_and_refuses_a_wrong_one(monkeypatch):
+    """The start-up self-check (model/surgery.py turns `auto` to ours, or stops a forced `liger`, on its answer)."""
+    from ulysses_train.levers import loss as loss_module
+
+    assert loss_module.liger_check(LIGER_DEVICE, torch.float32) is None
+    right = loss_module.liger_linear_cross_entropy
+    monkeypatch.setattr(loss_module, "liger_linear_cross_entropy", lambda h, w, y, n: right(h, w, y, n / 2))
+    assert "its loss differs from ours" in loss_module.liger_check(LIGER_DEVICE, torch.float32)
+
+
+def test_liger_where_it_cannot_run_is_an_error_when_forced_and_ours_under_auto(monkeypatch):
+    """model/surgery.py, on the self-check's answer: here Liger on a CPU without Triton's interpreter, and (where
+    the test runs on the CPU) on a CUDA device that this torch does not have."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.levers.policy import LeverRequest, Levers
+    from ulysses_train.model.surgery import check_liger_loss
+
+    wanted = Levers(loss_kernel="liger")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if not torch.cuda.is_available() else [])
+    for device in devices:
+        with pytest.raises(ConfigError, match="--loss_kernel liger: .*; use --loss_kernel auto or ours"):
+            check_liger_loss(wanted, LeverRequest(loss_kernel="liger"), device, torch.float32)
+        fallback = check_liger_loss(wanted, LeverRequest(), device, torch.bfloat16)
+        assert fallback.loss_kernel == "ours"
+        assert fallback.why["loss_kernel"].startswith("auto: ours, Liger-Kernel's failed: ")

@@ -3,7 +3,12 @@
 Reference: the same weights in a plain (non-DeepSpeed) model with transformers' own SDPA attention and its own
 loss (labels shifted inside the model, mean over the sequence), computed in the same test. fp32 on CPU; the
 sharded run sums the same terms in a different order (chunked loss, reduce-scatter), so we allow 1e-5 relative
-and 1e-6 absolute (gradients here are ~1e-3..1e-1)."""
+and 1e-6 absolute (gradients here are ~1e-3..1e-1).
+
+Both fused loss kernels (`--loss_kernel`: ours and Liger-Kernel's, the latter through Triton's interpreter on the
+CPU) run in the same launch, one after the other on the same weights, at SP=4 (Qwen3, whose head is tied to the
+embedding) and SP=2 (Llama, untied), the head partitioned by ZeRO-3; SP=1 runs both in this process.
+Each rank imports Liger (seconds), so the other launches run ours alone."""
 
 import pytest
 import torch
@@ -27,7 +32,8 @@ def _reference(family, seed, loss_kind):
 
 
 def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, tiled=False, dtype="float32",
-             lean=False):
+             lean=False, kernels=("ours",)):
+    """{loss kernel: (the SP group's loss, every parameter's full gradient)} for each of `kernels`."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
@@ -66,29 +72,81 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
                                       config=ds, mpu=groups)
     shard = {k: v.to(engine.device) for k, v in shard_sequence(ids, groups.sp_size, groups.sp_rank).items()}
     normalizer = global_token_count(shard["labels"], groups.sp_group)
-    loss = engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
-    engine.backward(loss * sp_backward_scale(ds, groups.sp_size))
-    grads = {n.removeprefix("model."): safe_get_full_grad(p).float().cpu() for n, p in engine.module.named_parameters()}
-    total = loss.detach().float().clone()
-    torch.distributed.all_reduce(total, group=groups.sp_group)
-    return total.item(), grads
+    results = {}
+    for kernel in kernels:
+        model.get_output_embeddings().kernel = kernel
+        loss = engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer)
+        engine.backward(loss * sp_backward_scale(ds, groups.sp_size))
+        grads = {n.removeprefix("model."): safe_get_full_grad(p).float().cpu()
+                 for n, p in engine.module.named_parameters()}
+        total = loss.detach().float().clone()
+        torch.distributed.all_reduce(total, group=groups.sp_group)
+        results[kernel] = (total.item(), grads)
+        engine.step()  # lr 0: the weights stay as they are, and the gradients are cleared for the next kernel
+    return results
 
 
-@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter,tiled,lean", [
-    ("qwen3", 2, "fused", 3, True, True, True),
-    ("qwen3", 4, "fused", 3, True, False, False),
-    ("qwen3", 2, "plain", 3, True, False, False),
-    ("llama", 2, "fused", 3, True, False, False),
-    ("qwen3", 2, "fused", 3, False, False, False),  # DeepSpeed averages differently on each of these reduction paths
-    ("llama", 2, "fused", 2, True, False, True),
+def _liger_runs() -> bool:
+    """liger-kernel installed, and Triton able to run here (on the CPU: its interpreter, conftest)."""
+    from ulysses_train.levers.fused_kernels import kernels_run_on
+    from ulysses_train.levers.loss import liger_installed
+
+    return liger_installed() and kernels_run_on(torch.device("cpu"))
+
+
+BOTH = ("ours", "liger")
+
+
+@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter,tiled,lean,kernels", [
+    ("qwen3", 2, "fused", 3, True, True, True, ("ours",)),
+    ("qwen3", 4, "fused", 3, True, False, False, BOTH),  # Liger's loss: tied head at SP=4, untied at SP=2 (llama)
+    ("qwen3", 2, "plain", 3, True, False, False, ("ours",)),
+    ("llama", 2, "fused", 3, True, False, False, BOTH),
+    # DeepSpeed averages differently on each of these reduction paths
+    ("qwen3", 2, "fused", 3, False, False, False, ("ours",)),
+    ("llama", 2, "fused", 2, True, False, True, ("ours",)),
 ])
-def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter, tiled, lean):
+def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter, tiled, lean, kernels):
+    if "liger" in kernels and not _liger_runs():
+        kernels = ("ours",)  # liger-kernel missing (it comes with the package on Linux): ours is still checked
     seed = 17 * sp + len(family) + stage
     _, _, ref_loss, ref_grads = _reference(family, seed, loss_kind)
     results = run_distributed(_sharded, sp, family, seed, loss_kind, stage, reduce_scatter, tiled, "float32", lean,
-                              use_deepspeed=True)
-    for loss, grads in results:
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        assert grads.keys() == ref_grads.keys()
-        for name, ref in ref_grads.items():
-            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                              kernels, use_deepspeed=True)
+    for by_kernel in results:
+        assert by_kernel.keys() == set(kernels)
+        for kernel, (loss, grads) in by_kernel.items():
+            assert loss == pytest.approx(ref_loss, rel=1e-5), kernel
+            assert grads.keys() == ref_grads.keys()
+            for name, ref in ref_grads.items():
+                torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{kernel}, {name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # tied head, untied head
+def test_both_loss_kernels_at_sp1_match_transformers(family):
+    """SP=1 in this process, without DeepSpeed: the loss head with each kernel, as the trainer installs it, against
+    transformers' own loss and gradients on the same weights (tolerances as above)."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.sharding import shard_sequence
+
+    if not _liger_runs():
+        pytest.skip("liger-kernel is not installed, or Triton cannot run it here")
+    state, ids, ref_loss, ref_grads = _reference(family, 5, "fused")
+    register_ulysses_attention(None, "sdpa")
+    shard = shard_sequence(ids, 1, 0)
+    for kernel in BOTH:
+        model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="ulysses")
+        model.load_state_dict(state)
+        assert install_loss_head(model, fused=True, chunk_size=7, kernel=kernel).kernel == kernel
+        loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
+                                         global_token_count(shard["labels"], None))
+        loss.backward()
+        assert loss.item() == pytest.approx(ref_loss, rel=1e-5), kernel
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{kernel}, {name}: {m}")

@@ -59,6 +59,26 @@ def test_components_by_hand():
     assert native - fused_attention == pytest.approx(FUSED_ROTARY_SAVING * t * 64 * 2)
 
 
+def test_loss_term_of_each_kernel_by_hand():
+    """Ours: a --loss_chunk_size chunk of fp32 logits and their bf16 gradient. Liger's (0.8.5): rows cut into
+    ceil(V / H) parts, rounded up to a power of two, one bf16 chunk of logits, and at the end its fp32 head gradient
+    beside the bf16 cast; both with the hidden states and their gradient and the fp32 head gradient."""
+    from ulysses_train.tools.plan import liger_chunk_rows
+
+    g = geometry(tiny_config("qwen3"))  # hidden 64, vocab 96: 2 parts
+    t = 512
+    states = 2 * t * 64 * 2 + 96 * 64 * 4
+    assert liger_chunk_rows(t, 96, 64) == 256 and liger_chunk_rows(3, 96, 64) == 2 and liger_chunk_rows(1, 96, 64) == 1
+    ours = estimate(g, 1024, 4, 2, Levers(loss_kernel="ours"), loss_chunk=256)["gpu"]["loss"]
+    liger = estimate(g, 1024, 4, 2, Levers(loss_kernel="liger"), loss_chunk=256)["gpu"]["loss"]
+    assert ours == states + 256 * 96 * 6
+    assert liger == states + 256 * 96 * 2 + 4 * t  # the chunk's logits outweigh the 96 x 64 head
+    short = estimate(g, 8, 1, 1, Levers(loss_kernel="liger"))["gpu"]["loss"]  # 4 rows of logits < the head
+    assert short == 2 * 8 * 64 * 2 + 96 * 64 * 4 + 96 * 64 * 2 + 4 * 8
+    # Qwen3-4B (vocab 151,936, hidden 2,560: 60 parts): 1,093 rows at 64k -> 2,048; 2,185 at 131k -> 4,096
+    assert [liger_chunk_rows(n, 151936, 2560) for n in (65536, 131072)] == [2048, 4096]
+
+
 def test_recommends_cheapest_levers_and_smallest_sp():
     g = geometry(tiny_config("qwen3"))
     sp, levers, est, _ = plan(g, 4096, 4, sp_sizes(g, 4), gpu_mem=80 * GiB, host_mem=100 * GiB)
@@ -72,7 +92,8 @@ def test_cli_says_when_nothing_fits(capsys):
     assert main(["--model_config", "qwen3-8b", "--seq_len", str(1 << 26), "--gpus", "1"]) == 1
     assert "nothing fits" in capsys.readouterr().out
     assert main(["--model_config", "qwen3-4b", "--seq_len", "65536", "--gpus", "1"]) == 0
-    assert "fits with --sp_size 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits with --sp_size 1" in out and "loss (liger)" in out  # the default kernel on a GPU
 
 
 def test_ds_config_fixes_zero_stage_and_optimizer(tmp_path, capsys):

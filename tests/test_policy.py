@@ -60,3 +60,29 @@ def test_auto_decisions_and_their_reasons():
     assert explicit.keep_attention and explicit.tiled_mlp and not explicit.lean_norm and not explicit.fused_kernels
     assert not resolve_levers(LeverRequest(gradient_checkpointing=False, attn_recompute="never"), g, 4096, 2,
                               h200).keep_attention  # nothing is kept without checkpointing
+
+
+def test_loss_kernel_auto_forced_and_refused():
+    """auto: Liger's on CUDA where liger-kernel is installed, ours otherwise, each with its reason; a forced liger
+    that cannot be is an error naming --loss_kernel; the flags the planner prints ask for what it resolved."""
+    from ulysses_train.errors import ConfigError
+
+    g = geometry(load_model_config(None, "qwen3-4b"))
+    h200 = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=1)
+    cpu = DeviceInfo("cpu", 2**34, 2**34)
+    bare = DeviceInfo("cuda", 2**37, 2**37, liger=False)
+    auto = resolve_levers(LeverRequest(), g, 65536, 2, h200)
+    assert auto.loss_kernel == "liger" and auto.why["loss_kernel"] == "auto: Liger-Kernel's on CUDA"
+    assert "--loss_kernel" not in auto.flags()
+    on_cpu, without = (resolve_levers(LeverRequest(), g, 4096, 4, d) for d in (cpu, bare))
+    assert on_cpu.loss_kernel == without.loss_kernel == "ours"
+    assert "CUDA" in on_cpu.why["loss_kernel"] and "not installed" in without.why["loss_kernel"]
+    ours = resolve_levers(LeverRequest(loss_kernel="ours"), g, 65536, 2, h200)
+    assert ours.loss_kernel == "ours" and "loss_kernel" not in ours.why and "--loss_kernel ours" in ours.flags()
+    assert _trainer_side(["--model_config", "qwen3-4b", "--seq_len", "65536", *ours.flags().split()], 1, 1) == ours
+    assert resolve_levers(LeverRequest(loss_kernel="liger"), g, 4096, 4, cpu).loss_kernel == "liger"  # interpreter
+    with pytest.raises(ConfigError, match="--loss_kernel liger: liger-kernel is not installed"):
+        resolve_levers(LeverRequest(loss_kernel="liger"), g, 4096, 2, bare)
+    with pytest.raises(ConfigError, match="--loss_kernel liger needs --loss fused"):
+        resolve_levers(LeverRequest(loss="plain", loss_kernel="liger"), g, 4096, 2, h200)
+    assert resolve_levers(LeverRequest(loss="plain"), g, 4096, 2, h200).loss_kernel == "ours"

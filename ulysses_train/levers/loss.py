@@ -4,12 +4,20 @@ Contract: the loss of one micro-batch is the mean over every non-ignored token o
 SP group. Each rank computes `sum of its tokens' CE / count of valid tokens in the whole SP group`; the SP ranks'
 values add up to the true mean. A rank (or a whole batch) with no valid token contributes 0, never NaN.
 
-The fused loss is ours rather than a library's because it must (1) take its gradient in the forward, so backward
-never recomputes logits (TRL's chunked loss recomputes them), (2) run inside the LM head module's own forward so
-that ZeRO-3 gathers the (possibly tied) head weight and reduces its gradient, and (3) share the SP normaliser.
+The fused loss must (1) take its gradient in the forward, so backward never recomputes logits (TRL's chunked loss
+recomputes them), (2) run inside the LM head module's own forward so that ZeRO-3 gathers the (possibly tied) head
+weight and reduces its gradient, and (3) share the SP normaliser. Two kernels do (1), chosen by `--loss_kernel`
+(levers/policy.py): Liger-Kernel's fused linear cross-entropy, the default on CUDA (1.7x faster than ours on the
+H200, docs/benchmarks.md), and ours below, which runs everywhere (the CPU included) and whose chunk size is
+`--loss_chunk_size`. Both run inside `LMHeadWithLoss.forward` for (2), and Liger's sums (reduction "sum") are
+divided by our normaliser for (3).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -105,10 +113,13 @@ class LMHeadWithLoss(nn.Linear):
 
     chunk_size: int = 4096
     fused: bool = True
+    kernel: str = "ours"  # of the fused loss: "liger" trains on Liger-Kernel's; without autograd ours runs
 
     def forward(self, hidden, labels=None, normalizer=None):
         if labels is None:
             return super().forward(hidden)
+        if self.kernel == "liger" and self.bias is None and hidden.requires_grad and torch.is_grad_enabled():
+            return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer)
         if self.bias is not None:
             raise NotImplementedError("an LM head with a bias is not supported by the loss head")
         if self.fused:
@@ -127,3 +138,62 @@ class CausalLMWithSPLoss(nn.Module):
         # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
         hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
         return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)
+
+
+# ---------------------------------------------------------------- Liger-Kernel's fused loss (--loss_kernel liger)
+
+
+def liger_installed() -> bool:
+    """liger-kernel and Triton are installed (found, not imported: importing Liger takes seconds)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("liger_kernel", "triton"))
+
+
+@functools.lru_cache(maxsize=None)
+def _liger_loss():
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy
+
+
+def liger_linear_cross_entropy(hidden, weight, labels, normalizer) -> torch.Tensor:
+    """hidden (..., H), weight (V, H), labels (...): sum of CE over valid tokens / normalizer, by Liger-Kernel.
+
+    Liger chunks the rows itself (about n / ceil(V / H) rows, rounded up to a power of two: logits of about the
+    size of the hidden states, in their dtype) and, like ours, takes both gradients in the forward. The head's
+    gradient is summed over the chunks in fp32 (accum_dtype), as ours is: Liger's default sums it in the weight's
+    dtype, which in bf16 rounds every chunk's partial sum."""
+    loss = _liger_loss()(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index=IGNORE_INDEX,
+                         reduction="sum", accum_dtype=torch.float32)
+    return loss / normalizer
+
+
+def liger_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Why Liger's loss cannot train on `device` in this process, or None: it needs CUDA (or, for tests, the CPU
+    under Triton's interpreter), must import, and must agree with ours, loss and both gradients, on a small case
+    with several chunks (a partial one) and ignored labels (to 1e-5 in fp32, 3e-2 relative in bf16)."""
+    from .fused_kernels import interpreting
+
+    if not liger_installed():
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return f"it runs on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(40, 32, generator=g), torch.randn(100, 32, generator=g)
+    labels = torch.randint(0, 100, (40,), generator=g)
+    labels[5:17] = IGNORE_INDEX
+    results = []
+    try:  # Liger chunks these 40 rows by 16 (40 / ceil(100 / 32), rounded up to a power of two): 16, 16, 8
+        for loss_fn in (liger_linear_cross_entropy, functools.partial(fused_linear_cross_entropy, chunk_size=16)):
+            h, w = (t.to(device, dtype).clone().requires_grad_() for t in (hidden, weight))
+            y = labels.to(device)
+            loss = loss_fn(h, w, y, (y != IGNORE_INDEX).sum().float())
+            loss.backward()
+            results.append((loss.detach(), h.grad, w.grad))
+    except Exception as e:  # not importable, or a kernel that does not compile or launch here
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for what, got, want in zip(("loss", "hidden's gradient", "weight's gradient"), *results):
+        err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+        if not err <= tol:  # NaN fails too
+            return f"its {what} differs from ours by {err:.1e} (tolerance {tol:.0e})"
+    return None

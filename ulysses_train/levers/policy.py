@@ -16,8 +16,11 @@ from typing import Optional
 
 import torch
 
+from ..errors import ConfigError
+
 GiB = 2**30
 LOSS_KINDS = ("fused", "plain")
+LOSS_KERNELS = ("auto", "liger", "ours")  # --loss_kernel: whose fused linear cross-entropy (levers/loss.py)
 ATTN_RECOMPUTE = ("auto", "always", "never")
 AUTO_ON_OFF = ("auto", "on", "off")  # --tiled_mlp, --lean_norm, --fused_kernels
 TILE_ABOVE_BYTES = 2 * GiB  # --tiled_mlp auto tiles when one seq x intermediate tensor of a layer would exceed this
@@ -37,12 +40,13 @@ class LeverRequest:
     lean_norm: str = "auto"
     fused_kernels: str = "auto"
     share_master_weights: bool = True
+    loss_kernel: str = "auto"
 
     @classmethod
     def from_config(cls, cfg) -> "LeverRequest":
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(cfg.lean_norm, cfg.lean_norm)
         return cls(cfg.loss, cfg.gradient_checkpointing, cfg.attn_recompute, cfg.offload_activations, cfg.tiled_mlp,
-                   lean, cfg.fused_kernels, cfg.share_master_weights)
+                   lean, cfg.fused_kernels, cfg.share_master_weights, cfg.loss_kernel)
 
 
 @dataclass(frozen=True)
@@ -54,19 +58,21 @@ class DeviceInfo:
     host_memory_bytes: int  # of one host
     local_ranks: int = 1  # ranks sharing that host memory
     triton: bool = True  # Triton importable (our fused kernels)
+    liger: bool = True  # liger-kernel installed (a dependency on Linux; imported only where its loss runs)
 
     @classmethod
     def of(cls, device: torch.device, local_ranks: int) -> "DeviceInfo":
         from .fused_kernels import triton_importable
+        from .loss import liger_installed
 
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
-        return cls(device.type, memory, host, local_ranks, triton_importable())
+        return cls(device.type, memory, host, local_ranks, triton_importable(), liger_installed())
 
     @classmethod
     def gpu(cls, memory_gib: float, host_gib: float, local_ranks: int) -> "DeviceInfo":
-        """A planned GPU machine (tools/plan.py)."""
-        return cls("cuda", int(memory_gib * GiB), int(host_gib * GiB), local_ranks, True)
+        """A planned GPU machine (tools/plan.py), with the package's dependencies installed."""
+        return cls("cuda", int(memory_gib * GiB), int(host_gib * GiB), local_ranks, True, True)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Levers:
     """Every lever, resolved: what the trainer installs and what the planner counts."""
 
     loss: str = "fused"  # fused chunked loss, or the plain one
+    loss_kernel: str = "ours"  # the fused loss's kernel: ours (levers/loss.py) or Liger-Kernel's
     checkpointing: bool = True  # every decoder layer checkpointed
     keep_attention: bool = True  # checkpointed layers keep the attention kernel's outputs (--attn_recompute never)
     offload_activations: bool = False  # checkpoints (and kept outputs) in pinned host memory
@@ -89,6 +96,8 @@ class Levers:
     def flags(self, ds_config: Optional[str] = None) -> str:
         """The command-line flags that ask for exactly these levers."""
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
+        if self.loss == "fused" and self.loss_kernel == "ours":
+            flags.append("--loss_kernel ours")
         if self.offload_activations:
             flags.append("--offload_activations")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
@@ -142,6 +151,27 @@ def _tiled_mlp(mode: str, g: dict, tokens: int, act_bytes: int) -> tuple[bool, s
                                    f"({'over' if one > TILE_ABOVE_BYTES else 'not over'} 2 GiB)"
 
 
+def _loss_kernel(request: LeverRequest, device: DeviceInfo) -> tuple[str, str]:
+    """Whose fused linear cross-entropy runs, and why (under auto). Whether Liger's kernel imports and agrees
+    with ours on this device is checked when the loss head is installed (model/surgery.py)."""
+    if request.loss != "fused":
+        if request.loss_kernel == "liger":
+            raise ConfigError("--loss_kernel liger needs --loss fused (the plain loss has no kernel to choose)")
+        return "ours", ""
+    if request.loss_kernel == "ours":
+        return "ours", ""
+    if request.loss_kernel == "liger":
+        if not device.liger:
+            raise ConfigError("--loss_kernel liger: liger-kernel is not installed (pip install liger-kernel); use "
+                              "--loss_kernel auto or ours")
+        return "liger", ""
+    if device.type != "cuda":
+        return "ours", "auto: ours (Liger-Kernel's runs on CUDA)"
+    if not device.liger:
+        return "ours", "auto: ours (liger-kernel is not installed)"
+    return "liger", "auto: Liger-Kernel's on CUDA"
+
+
 def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
                    ds_choices: Optional[dict] = None) -> Levers:
     """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
@@ -158,7 +188,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                                               and device.triton)
     if request.fused_kernels == "auto":
         why["fused_kernels"] = "auto: on for CUDA with Triton" if fused else "auto: off (CUDA with Triton only)"
-    return Levers(loss=request.loss, checkpointing=request.gradient_checkpointing,
+    loss_kernel, why["loss_kernel"] = _loss_kernel(request, device)
+    return Levers(loss=request.loss, loss_kernel=loss_kernel, checkpointing=request.gradient_checkpointing,
                   keep_attention=keep and request.gradient_checkpointing, offload_activations=offload,
                   tiled_mlp=tiled, lean_norm=request.lean_norm != "off", fused_kernels=fused,
                   share_master=request.share_master_weights, bf16_states=ds_choices.get("bf16_states", False),

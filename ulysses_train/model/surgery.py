@@ -21,6 +21,7 @@ transformers, so a release that moves one of them fails there.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
 from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits, triton_importable
 from ..levers.lean_norm import fused_forward, lean_forward
-from ..levers.loss import LMHeadWithLoss
+from ..levers.loss import LMHeadWithLoss, liger_check
 from ..levers.offload import HostOffload
 from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
@@ -59,13 +60,15 @@ def _dense_mlps(model: nn.Module) -> list[nn.Module]:
 # ---------------------------------------------------------------- the patches, each usable on its own
 
 
-def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 4096) -> nn.Module:
-    """The LM head returns the SP loss when called with labels (levers/loss.py), logits otherwise."""
+def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 4096, kernel: str = "ours"
+                      ) -> nn.Module:
+    """The LM head returns the SP loss when called with labels (levers/loss.py), logits otherwise; `kernel`: whose
+    fused loss ("ours" or "liger")."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the model's output embedding is a {type(head).__name__}, not nn.Linear")
     head.__class__ = LMHeadWithLoss
-    head.fused, head.chunk_size = fused, chunk_size
+    head.fused, head.chunk_size, head.kernel = fused, chunk_size, kernel if fused else "ours"
     return head
 
 
@@ -209,6 +212,18 @@ def check_fused_kernels(levers: Levers, request: LeverRequest, device: torch.dev
     return levers.off("fused_kernels", f"auto: off, {problem}")
 
 
+def check_liger_loss(levers: Levers, request: LeverRequest, device: torch.device, dtype: torch.dtype) -> Levers:
+    """Liger's loss where the policy chose it, if it runs here and agrees with ours; else an error naming
+    --loss_kernel when the flag asked for it, and ours, with the reason, under auto."""
+    problem = liger_check(device, dtype)
+    if problem is None:
+        return levers
+    if request.loss_kernel == "liger":
+        raise ConfigError(f"--loss_kernel liger: {problem}; use --loss_kernel auto or ours")
+    return dataclasses.replace(levers, loss_kernel="ours",
+                               why={**levers.why, "loss_kernel": f"auto: ours, Liger-Kernel's failed: {problem}"})
+
+
 def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device: torch.device, dtype: torch.dtype,
                  loss_chunk_size: int, mlp_tile_tokens: int, offload: Optional[HostOffload]
                  ) -> tuple[Levers, SurgeryReport]:
@@ -216,8 +231,11 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
     why) and how many modules each patch took of those it expected."""
     if levers.fused_kernels:
         levers = check_fused_kernels(levers, request, device, dtype)
+    if levers.loss_kernel == "liger":
+        levers = check_liger_loss(levers, request, device, dtype)
     steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload)),
-             ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size) is not None)),
+             ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size,
+                                                         levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),
              ("rotary", lambda: install_fused_rotary(model)),
              ("SwiGLU", lambda: install_fused_mlp(model)),

@@ -47,6 +47,30 @@ ATTENTION_TENSORS_GQA = 7.5
 FUSED_ROTARY_SAVING = 1.25
 
 
+def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """The rows of one chunk of Liger-Kernel's fused linear cross-entropy (0.8.5): the tokens split into
+    ceil(vocab / hidden) parts, rounded up to a power of two, so one chunk's logits are about the hidden states'
+    size (up to twice it)."""
+    parts = -(-vocab // hidden)
+    return min(tokens, 1 << max(0, math.ceil(math.log2(-(-tokens // parts)))))
+
+
+def loss_bytes(g: dict, t: int, kernel: str, loss_chunk: int = 4096, b: int = 2) -> int:
+    """The fused loss's peak on one rank of `t` tokens, beyond the model states: the final hidden states and their
+    gradient (2 x t x hidden), the head's gradient summed in fp32, and the logits of one chunk.
+
+    ours: fp32 logits, turned into their gradient in place, plus its copy in the activation dtype, for
+    --loss_chunk_size rows. liger (from Liger-Kernel 0.8.5's algorithm; to be checked against measured peaks):
+    one buffer of logits in the activation dtype, which its kernel overwrites with their gradient, for
+    `liger_chunk_rows` rows; one fp32 loss per token; and at the end the fp32 head gradient cast to the weight's
+    dtype while both exist, which is the larger term when the chunk's logits are smaller than the head."""
+    v, h = g["vocab"], g["hidden"]
+    states = 2 * t * h * b + v * h * 4
+    if kernel == "liger":
+        return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b) + 4 * t
+    return states + loss_chunk * v * (4 + b)
+
+
 def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
              tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2) -> dict:
     """Bytes per GPU (and per host, for all local ranks' offloads) of each component."""
@@ -75,7 +99,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
     layer = hidden_acts + max(attention, mlp)
-    loss = loss_chunk * g["vocab"] * (4 + b) + g["vocab"] * g["hidden"] * 4 + 2 * t * g["hidden"] * b
+    loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * sp)) * b if sp > 1 else 0
     on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
     on_gpu_kept = 0 if levers.offload_activations else kept  # the offload takes the kept outputs too
@@ -193,6 +217,11 @@ def _table(rows) -> str:
     return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
 
 
+def _gpu_rows(est: dict, levers: Levers) -> list:
+    """The per-GPU components, the loss named with its kernel."""
+    return [(f"loss ({levers.loss_kernel})" if k == "loss" else k, v) for k, v in est["gpu"].items()]
+
+
 def check_numbers(a: argparse.Namespace) -> None:
     """The planner's own flags, before any model is read: a plan of zero tokens, GPUs or memory is no plan."""
     if a.gpus < 1:
@@ -266,12 +295,12 @@ def _main(argv=None) -> int:
         sp_last, lev_last, worst, _ = tried[-1]
         print(f"nothing fits: with every lever and --sp_size {sp_last}, {worst['gpu_total'] / GiB:.1f} GiB per GPU "
               f"(limit {a.gpu_mem_gib}) and {worst['host_total'] / GiB:.1f} GiB host (limit {a.host_mem_gib}):")
-        print(_table(worst["gpu"].items()))
+        print(_table(_gpu_rows(worst, lev_last)))
         print("use more GPUs, a shorter --seq_len, or fewer layers")
         return 1
     print(f"fits with --sp_size {sp} {levers.flags(a.ds_config)}  ({est['tokens_per_rank']:,} tokens per rank)")
     print("per GPU:")
-    print(_table(list(est["gpu"].items()) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
+    print(_table(_gpu_rows(est, levers) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
     print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")
     print(_table(list(est["host"].items()) + [("total", est["host_total"])]))
     return 0

@@ -16,7 +16,7 @@ from typing import Optional
 from ..errors import ConfigError
 
 from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
-from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KINDS
+from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KINDS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
 from .ds_config import load_ds_config
@@ -98,7 +98,13 @@ class TrainConfig:
     # ---- memory levers ----
     loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
                             "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
-    loss_chunk_size: int = _f(4096, "Rows per chunk of the fused loss (peak loss memory ~ chunk x vocab x 4 bytes).")
+    loss_kernel: str = _f("auto", "Whose fused loss runs. liger: Liger-Kernel's fused linear cross-entropy (1.7x "
+                                  "faster than ours on the H200; it picks its own chunks, about tokens x hidden "
+                                  "logits). ours: ulysses_train's, chunked by --loss_chunk_size, on any device. "
+                                  "auto: liger on CUDA when liger-kernel is installed and agrees with ours in a "
+                                  "self-check at start-up, else ours (the reason logged).", LOSS_KERNELS)
+    loss_chunk_size: int = _f(4096, "Rows per chunk of our fused loss (--loss_kernel ours; peak loss memory ~ chunk "
+                                    "x vocab x 6 bytes in bf16).")
     gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
     attn_recompute: str = _f("auto", "never: keep each layer's attention output and log-sum-exp from the forward, so "
                                      "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
@@ -250,7 +256,7 @@ FREE_SETTINGS = frozenset({
     "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "attn_recompute", "tiled_mlp", "mlp_tile_tokens",
-    "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size"})
+    "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size", "loss_kernel"})
 
 
 def _str2bool(value: str) -> bool:

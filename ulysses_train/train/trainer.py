@@ -310,7 +310,8 @@ class Trainer:
                  if lv.fused_kernels else "off" + (f" ({lv.why['fused_kernels']})" if "fused_kernels" in lv.why
                                                    and lv.why["fused_kernels"].startswith("auto: off,") else ""))
         norms = counts.get("RMSNorm", (0, 0))[0] if lv.lean_norm or lv.fused_kernels else 0
-        return (f"loss {lv.loss} | checkpointing {lv.checkpointing} (attention kept: {lv.keep_attention}, offload: "
+        loss = f"{lv.loss} ({lv.loss_kernel})" if lv.loss == "fused" else lv.loss
+        return (f"loss {loss} | checkpointing {lv.checkpointing} (attention kept: {lv.keep_attention}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}")
 
