@@ -88,3 +88,44 @@ def test_bad_settings_are_one_message_and_exit_2(setup, capsys, args, message):
     assert main([x for kv in base.items() for x in kv]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(message, err) and err.startswith("error: ") and "--last_sample" not in err, err
+
+
+def test_conversations_count_only_trained_tokens(setup):
+    """Conversation data (SP=2): the loss at each position is the model's own, and only where the assistant writes.
+    Our masks come from growing prefixes of a template without markers; the reference's from transformers'
+    `return_assistant_tokens_mask` on the same template with `{% generation %}` markers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.sft_fixtures import CHATML_PLAIN, CHATML_QWEN, MULTI_TURN, tiny_tokenizer, write_jsonl
+    from tests.test_sft_train import _chats
+
+    seq, n = 128, 3
+    chats = [MULTI_TURN] + [row["messages"] for row in _chats(4)[::3]]  # multi-turn ones, with a tool turn
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(setup / "chat_tokenizer")
+    (setup / "chatml.jinja").write_text(CHATML_PLAIN)
+    data = write_jsonl(setup / "chats.jsonl", [{"messages": m} for m in chats])
+    args = ["-m", "ulysses_train.tools.eval_positions", "--model", str(setup / "model"), "--dataset", data,
+            "--tokenizer", str(setup / "chat_tokenizer"), "--chat_template", str(setup / "chatml.jinja"),
+            "--seq_len", str(seq), "--num_samples", str(n), "--bucket", "1", "--out", str(setup / "chat_out"),
+            "--data_cache_dir", str(setup / "cache")]
+    proc = subprocess.run(torchrun_launcher(2) + ["--no-python", sys.executable] + args, cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(setup / "chat_out" / "positions.csv") as f:
+        ours = [float(r["mean_loss"]) for r in csv.DictReader(f)]
+
+    model = AutoModelForCausalLM.from_pretrained(setup / "model", attn_implementation="sdpa")
+    losses = torch.full((n, seq - 1), float("nan"))
+    with torch.no_grad():
+        for i, messages in enumerate(chats[:n]):
+            rendered = tokenizer.apply_chat_template(messages, chat_template=CHATML_QWEN, tokenize=True,
+                                                     return_dict=True, return_assistant_tokens_mask=True)
+            ids, mask = torch.tensor(rendered["input_ids"]), torch.tensor(rendered["assistant_masks"]).bool()
+            ce = F.cross_entropy(model(input_ids=ids[None]).logits[0, :-1], ids[1:], reduction="none")
+            losses[i, :len(ids) - 1] = ce.masked_fill(~mask[1:], float("nan"))
+    expected = losses.nanmean(0)
+    assert expected.isnan().sum() > seq // 2 > (~expected.isnan()).sum() > 0  # prompts and padding count nothing
+    assert ours == pytest.approx(expected.tolist(), rel=1e-4, nan_ok=True)
+    summary = json.loads((setup / "chat_out" / "summary.json").read_text())
+    assert summary["tail_mean_loss"] == pytest.approx(float(expected.nanmean()), rel=1e-4)

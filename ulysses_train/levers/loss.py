@@ -104,12 +104,23 @@ def fused_linear_cross_entropy(hidden, weight, labels, normalizer, chunk_size: i
     return _FusedLinearCE.apply(hidden.flatten(0, -2), weight, labels.flatten(), normalizer, chunk_size)
 
 
+def chunked_cross_entropy(hidden, weight, labels, chunk_size: int = 4096) -> torch.Tensor:
+    """Sum of the cross-entropy over valid tokens, the logits made `chunk_size` rows at a time (no gradient)."""
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    total = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = _at_least_fp32(hidden[start:start + chunk_size] @ weight.t())
+        total += F.cross_entropy(logits, labels[start:start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum")
+    return total
+
+
 class LMHeadWithLoss(nn.Linear):
     """The model's LM head, able to return the loss instead of logits.
 
-    `install_loss_head(model)` (model/surgery.py) swaps the head's class in place (same parameters, same tying), so that calling
-    `lm_head(hidden, labels=..., normalizer=...)` goes through the module's `__call__`: ZeRO-3's hooks gather the
-    partitioned weight for the forward and again before this module's backward."""
+    `install_loss_head(model)` (model/surgery.py) swaps the head's class in place (same parameters, same tying), so
+    that calling `lm_head(hidden, labels=..., normalizer=...)` goes through the module's `__call__`: ZeRO-3's hooks
+    gather the partitioned weight for the forward and again before this module's backward. Without autograd
+    (evaluation) the fused loss computes the loss alone, in the same chunks."""
 
     chunk_size: int = 4096
     fused: bool = True
@@ -122,6 +133,8 @@ class LMHeadWithLoss(nn.Linear):
             return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer)
         if self.bias is not None:
             raise NotImplementedError("an LM head with a bias is not supported by the loss head")
+        if self.fused and not torch.is_grad_enabled():
+            return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_size) / normalizer
         if self.fused:
             return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size)
         return plain_loss(super().forward(hidden), labels, normalizer)

@@ -7,6 +7,11 @@ Writes `positions.csv` (bucket start, bucket end, mean loss), `positions.png` (m
 unigram entropy of the same tokens as a reference line: a model that ignores context does no better than that),
 and prints a summary line: the mean loss over the last 20k tokens, and the first position where the loss rises
 above the early average (first 10% of buckets) by --threshold nats. This is the check that YaRN worked.
+
+Conversation data (the trainer's SFT formats, data/sft.py: `messages`, `prompt`/`completion`, pre-tokenized) is
+read as the trainer reads it, one conversation per sample (padded), and only its trained tokens count: with the
+default `--loss_on auto`, what the assistant writes. Positions that train nothing (prompts, padding) have no loss;
+the means are over the positions that do.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..errors import ConfigError
 
 
-def per_position_loss(model, ids: torch.Tensor, groups, device) -> torch.Tensor:
-    """(s,) token ids of one sequence -> (s-1,) cross-entropy of predicting token t+1 from its prefix."""
+def per_position_loss(model, ids: torch.Tensor, groups, device, labels=None) -> torch.Tensor:
+    """(s,) token ids of one sequence -> (s-1,) cross-entropy of predicting token t+1 from its prefix; NaN where
+    token t+1 is not a target (`labels`: unshifted, -100 where not trained; default: every token is one)."""
     from ..sp.sharding import IGNORE_INDEX, shard_sequence
 
-    shard = {k: v.to(device) for k, v in shard_sequence(ids[None], groups.sp_size, groups.sp_rank).items()}
+    labels = None if labels is None else labels[None]
+    shard = {k: v.to(device) for k, v in shard_sequence(ids[None], groups.sp_size, groups.sp_rank,
+                                                        labels=labels).items()}
     hidden = model.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"])[0]
     head = model.get_output_embeddings()
     losses = []
@@ -51,16 +60,19 @@ def unigram_entropy(ids: torch.Tensor) -> float:
 
 
 def summarize(losses: torch.Tensor, bucket: int, threshold: float, tail_tokens: int = 20_000) -> dict:
-    """losses: (positions,) mean loss per position. Returns bucket means and the summary numbers."""
+    """losses: (positions,) mean loss per position, NaN where nothing is a target. Returns bucket means (NaN for a
+    bucket without targets) and the summary numbers, over the positions with a loss."""
     n = losses.shape[0]
     starts = list(range(0, n, bucket))
     means = [float(losses[s:s + bucket].nanmean()) for s in starts]
-    early = [m for m in means[: max(1, len(means) // 10)]]
+    scored = [m for m in means if not math.isnan(m)] or [math.nan]
+    early = scored[: max(1, len(scored) // 10)]
     early_mean = sum(early) / len(early)
     rise = next((s for s, m in zip(starts, means) if m > early_mean + threshold), None)
-    tail = min(tail_tokens, n)
+    targets = losses[~losses.isnan()]
+    tail = min(tail_tokens, len(targets))
     return {"starts": starts, "means": means, "early_mean": early_mean, "first_rise_position": rise,
-            "tail_tokens": tail, "tail_mean": float(losses[-tail:].nanmean())}
+            "tail_tokens": tail, "tail_mean": float(targets[len(targets) - tail:].mean())}
 
 
 def plot(path: str, summary: dict, bucket: int, entropy: float, title: str) -> None:
@@ -91,6 +103,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset", required=True)
     p.add_argument("--dataset_split", default="train")
     p.add_argument("--text_column", default=None)
+    p.add_argument("--data_format", default="auto", choices=DATA_FORMATS, help="as the trainer's --data_format")
+    p.add_argument("--chat_template", default=None, help="as the trainer's --chat_template")
+    p.add_argument("--loss_on", default="auto", choices=LOSS_ON,
+                   help="which tokens count, as the trainer's --loss_on (auto: what the assistant writes in "
+                        "conversations, every token of text)")
+    p.add_argument("--truncation", default="error", choices=TRUNCATION, help="as the trainer's --truncation")
     p.add_argument("--tokenizer", default=None, help="default: the model's; 'bytes' for the byte tokenizer")
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--num_samples", type=int, default=4)
@@ -103,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(a: argparse.Namespace) -> None:
     """The numbers, and the model, tokenizer and dataset paths: ConfigErrors naming the flag."""
-    from ..train.preflight import check_dataset, check_model, check_tokenizer
+    from ..train.preflight import check_chat_template, check_dataset, check_model, check_tokenizer
 
     if a.seq_len < 2:
         raise ConfigError(f"--seq_len must be at least 2 (a loss needs a token and its successor), got {a.seq_len}")
@@ -115,19 +133,19 @@ def check_args(a: argparse.Namespace) -> None:
     check_model(a.model, need_tokenizer=a.tokenizer is None)
     check_tokenizer(a.tokenizer)
     check_dataset(a.dataset)
+    check_chat_template(a.chat_template)
 
 
 def main(argv=None) -> int:
     """Settings and data are checked before any process group or model exists: a setting to change is one message
     (from rank 0) and exit code 2 on every rank."""
-    from ..data.corpus import corpus_samples, load_tokenizer
+    from ..data.corpus import load_tokenizer
 
     a = parse_args(argv)
     try:
         check_args(a)
         tokenizer = load_tokenizer(a.tokenizer, a.model)
-        samples, _ = corpus_samples(a.dataset, a.dataset_split, a.text_column, tokenizer, a.seq_len,
-                                    a.data_cache_dir, can_pad=False)  # a padded tail has no losses to show
+        samples = load_samples(a, tokenizer)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -136,13 +154,36 @@ def main(argv=None) -> int:
     return 0
 
 
+def load_samples(a: argparse.Namespace, tokenizer):
+    """Samples of --seq_len whose `get(i)` gives (ids, valid, docs, labels) (data/sources.py's Row): text cut from
+    the joined documents, or conversations with their trained mask, through the trainer's own data path."""
+    from ..data.corpus import corpus_samples, dataset_columns, load_corpus, unreadable_dataset_is_a_config_error
+    from ..data.sft import detect_format, resolve_loss_on, sft_samples
+    from ..data.sources import ChatSource, CorpusSource
+
+    with unreadable_dataset_is_a_config_error(a.dataset):
+        corpus = load_corpus(a.dataset, a.dataset_split)
+        fmt = detect_format(dataset_columns(corpus), a.data_format, a.text_column)
+    if fmt == "text":
+        resolve_loss_on("text", a.loss_on, [])  # text counts every token
+        samples, _ = corpus_samples(a.dataset, a.dataset_split, a.text_column, tokenizer, a.seq_len,
+                                    a.data_cache_dir, can_pad=False, corpus=corpus)  # a padded tail shows nothing
+        return CorpusSource(samples, packing=False)
+    samples, _, _ = sft_samples(corpus, fmt, tokenizer, a.seq_len, dataset=a.dataset, split=a.dataset_split,
+                                cache_dir=a.data_cache_dir, chat_template=a.chat_template, loss_on=a.loss_on,
+                                truncation=a.truncation)
+    return ChatSource(samples)
+
+
 def evaluate(a: argparse.Namespace, samples) -> None:
     """Loss per position over the first --num_samples samples (Ulysses SP over all ranks); rank 0 writes the csv,
     the plot and the summary. Ends the process (see exit_now)."""
     from transformers import AutoModelForCausalLM
 
+    from ..data.sources import build_batch
     from ..sp.attention import ATTN_NAME, register_ulysses_attention
     from ..sp.groups import SequenceParallelGroups
+    from ..sp.sharding import IGNORE_INDEX
     from ..train.launcher import exit_now, normalise_launcher_env
 
     normalise_launcher_env()
@@ -153,15 +194,17 @@ def evaluate(a: argparse.Namespace, samples) -> None:
     register_ulysses_attention(groups.sp_group, "sdpa")
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=ATTN_NAME,
                                                  dtype=torch.bfloat16 if cuda else torch.float32).to(device).eval()
-    n = min(a.num_samples, len(samples))
-    total, seen = torch.zeros(a.seq_len - 1), []
+    n = min(a.num_samples, samples.num_samples)
+    losses, targets = [], []
     with torch.no_grad():
         for i in range(n):
-            ids, _ = samples.sample(i)
-            seen.append(ids)
-            total += per_position_loss(model, ids, groups, device)
+            row = build_batch([samples.get(i)], packing=False)  # labels: -100 where not a target
+            ids, labels = row["input_ids"][0], row["labels"][0]
+            losses.append(per_position_loss(model, ids, groups, device, labels))
+            targets.append(ids[1:][labels[1:] != IGNORE_INDEX])
     if dist.get_rank() == 0:
-        write_results(a, total / n, torch.stack(seen), n)
+        # per position, the mean over the samples where it is a target (NaN where it is none)
+        write_results(a, torch.stack(losses).nanmean(0), torch.cat(targets), n)
     dist.barrier()
     exit_now(0)  # see exit_now: no process-group teardown
 

@@ -50,6 +50,12 @@ class TrainConfig:
                                       "(one file = one document), .jsonl/.json, .parquet, .arrow, or a save_to_disk "
                                       "folder. Default: generated tokens (the embedded default).")
     dataset_split: str = _f("train", "Split of --dataset.")
+    eval_dataset: Optional[str] = _f(None, "Validation data, in any form --dataset takes (the same format flags "
+                                           "apply): its loss, at --seq_len under SP, goes to metrics.jsonl and the "
+                                           "trackers every --eval_steps and after the last step.")
+    eval_split: Optional[str] = _f(None, "Split of --eval_dataset. Default: --dataset_split.")
+    eval_steps: int = _f(0, "Evaluate every N optimizer steps (0: only after the last step).")
+    eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of --eval_dataset. Default: all.")
     text_column: Optional[str] = _f(None, "Column holding the text. Default: 'text'.")
     streaming: bool = _f(False, "Stream a hub dataset instead of downloading it whole (with --max_tokens).")
     max_tokens: Optional[int] = _f(None, "Stop reading the corpus after this many tokens.")
@@ -189,7 +195,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
         for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
-                     "save_total_limit", "verify_seq_len"):
+                     "save_total_limit", "verify_seq_len", "eval_samples"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")
@@ -200,6 +206,10 @@ class TrainConfig:
         parse_report_to(self.report_to, self.tensorboard)  # an unknown tracker or a missing package, named now
         if not self.dist_timeout > 0:
             raise ConfigError(f"--dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
+        if self.eval_steps < 0:
+            raise ConfigError(f"--eval_steps must be >= 0, got {self.eval_steps}")
+        if not self.eval_dataset and (self.eval_steps or self.eval_samples or self.eval_split):
+            raise ConfigError("--eval_steps, --eval_samples and --eval_split need --eval_dataset")
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         self._validate_resume()
@@ -254,6 +264,7 @@ FREE_SETTINGS = frozenset({
     "output_dir", "save_steps", "save_final", "save_total_limit", "resume", "resume_override",
     "overwrite_output_dir", "log_every", "tensorboard", "profile_memory", "num_proc", "data_cache_dir", "verify",
     "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
+    "eval_dataset", "eval_split", "eval_steps", "eval_samples",
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "attn_recompute", "tiled_mlp", "mlp_tile_tokens",
     "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size", "loss_kernel"})

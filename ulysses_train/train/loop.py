@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from ..data.sources import trainable_tokens
-from ..sp.sharding import shard_sequence
 from .faults import check_grad_norm, inject_at_step, loss_is_skipped
 from .memory_profile import ProfileFirstSteps
+from .evaluate import evaluate
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
+from .shards import shard_batch
 from .tracking import parse_report_to
 
 
@@ -36,13 +37,7 @@ def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor) -> t
     step's loss (sum of its tokens' cross-entropy / `normalizer`), and whether the step is skipped (a non-finite
     loss under --skip_nonfinite)."""
     g = run.groups
-    pad_id = getattr(run.tokenizer, "pad_token_id", None) or 0
-    shard = {k: v.to(run.device) for k, v in shard_sequence(  # (b, s) -> (b, s/sp) each
-        batch["input_ids"], g.sp_size, g.sp_rank, labels=batch["labels"], position_ids=batch["position_ids"],
-        pad_token_id=pad_id).items()}
-    padded = shard["input_ids"].shape[1] * g.sp_size - batch["input_ids"].shape[1]
-    docs = batch["docs"]  # the padding added for sp is one more (ignored) document
-    run.attention.doc_lengths = [row + [padded] for row in docs] if docs is not None and padded else docs
+    shard = shard_batch(run, batch)
     loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.float().clamp(min=1.0))
     if loss_is_skipped(loss, step, run.cfg.skip_nonfinite):
         return loss.detach(), True
@@ -108,9 +103,12 @@ def train(run) -> list[dict]:
             profile.before_step(step)
             record = train_step(run, step)
             profile.after_step(step)
+            if run.eval_source is not None and (step == cfg.steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
+                record |= evaluate(run, run.eval_source, cfg.eval_samples)
             history.append(record)
             logger.log(record, {"host_peak_gib": host_peak_gib(), "skipped": record["skipped"],
-                                "host_offload_gib": run.offload.peak_host_bytes / 2**30 if run.offload else 0.0})
+                                "host_offload_gib": run.offload.peak_host_bytes / 2**30 if run.offload else 0.0,
+                                **{k: v for k, v in record.items() if k.startswith("eval_")}})
             if record["skipped"]:
                 logger.write(f"step {step}: non-finite loss, step skipped (--skip_nonfinite)")
             saved = bool(cfg.save_steps and step % cfg.save_steps == 0) or (step == cfg.steps and cfg.save_final)

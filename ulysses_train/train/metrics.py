@@ -85,7 +85,10 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.trackers is not None:
-            self.trackers.log(record, record["step"])
+            self.trackers.log({k: v for k, v in record.items() if not k.startswith("eval_")}, record["step"])
+            evaluation = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
+            if evaluation:
+                self.trackers.log(evaluation, record["step"], prefix="eval")
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if record["step"] % self.log_every == 0 or record["step"] == 1:
@@ -93,6 +96,9 @@ class MetricsLogger:
                 f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
                 f"tokens {record['num_tokens']} | {record['tokens_per_s']:.0f} tok/s | {record['step_time_s']:.2f} s"
                 f" | peak {record['peak_mem_gib']:.2f} GiB | lr {record['lr']:.2e}")
+        if "eval_loss" in record:
+            self.bar.write(f"step {record['step']:>5} | eval loss {record['eval_loss']:.4f} over "
+                           f"{record['eval_tokens']:,} tokens of {record['eval_samples']} samples")
 
     def write(self, message: str) -> None:
         if self.enabled:

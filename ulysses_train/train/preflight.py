@@ -53,10 +53,10 @@ def check_tokenizer(spec) -> None:
         raise ConfigError(f"--tokenizer {spec}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
 
 
-def check_dataset(spec) -> None:
+def check_dataset(spec, flag: str = "dataset") -> None:
     """Existence only: the files' contents are read (and their errors named) when the data is loaded."""
     if spec:
-        local_or_hub("dataset", spec)
+        local_or_hub(flag, spec)
 
 
 def check_chat_template(path) -> None:
@@ -70,6 +70,7 @@ def preflight(cfg) -> None:
         check_model(cfg.model, need_tokenizer=cfg.tokenizer is None)
     check_tokenizer(cfg.tokenizer)
     check_dataset(cfg.dataset)
+    check_dataset(cfg.eval_dataset, "eval_dataset")
     check_chat_template(cfg.chat_template)
 
 

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..data.sources import ChatSource, CorpusSource, SyntheticSource, build_batch, global_sample_index, sample_order
+from ..data.load import load_source
+from ..data.sources import SyntheticSource, build_batch, global_sample_index, sample_order
 from ..errors import ConfigError
 from ..levers.loss import CausalLMWithSPLoss, sp_backward_scale
 from ..levers.master_weights import share_master_weights
@@ -125,6 +126,10 @@ class Trainer:
 
         self.groups = SequenceParallelGroups(sp_size)
         self.tokenizer, self.source = self._prepare_data()
+        self.eval_source = None
+        if cfg.eval_dataset and not cfg.verify:
+            self.eval_source = load_source(cfg, cfg.eval_dataset, cfg.eval_split or cfg.dataset_split, self.seq_len,
+                                           self.model_config.vocab_size, self.rank, self.log, "eval_dataset")[1]
         self.attention = register_ulysses_attention(self.groups.sp_group, self.kernel)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
@@ -222,8 +227,7 @@ class Trainer:
         return state["step"]
 
     def _prepare_data(self):
-        """Tokenizer and sample source. Rank 0 tokenizes and caches first; the others then read the cache. Rank 0's
-        outcome is broadcast, so a bad dataset stops every rank with its message instead of leaving them waiting."""
+        """Tokenizer and sample source of --dataset (generated tokens without one), and of --eval_dataset."""
         cfg = self.cfg
         if not cfg.dataset:
             from ..data.corpus import load_tokenizer
@@ -231,68 +235,8 @@ class Trainer:
             # generated tokens need none; a model's tokenizer (or --tokenizer) is saved with its checkpoints
             tokenizer = load_tokenizer(cfg.tokenizer, cfg.model, need_eos=False) if cfg.model else None
             return tokenizer, SyntheticSource(self.model_config.vocab_size, self.seq_len, cfg.seed)
-        result = self._try_load_corpus() if self.rank == 0 else None
-        error = [result if isinstance(result, str) else None]  # only rank 0's error message crosses ranks
-        dist.broadcast_object_list(error, src=0)
-        if error[0]:
-            raise ConfigError(error[0])
-        if self.rank != 0:
-            result = self._try_load_corpus()  # reads what rank 0 cached
-        if isinstance(result, str):
-            raise ConfigError(result)
-        return result
-
-    def _try_load_corpus(self):
-        """(tokenizer, source) for --dataset, or the message of the ConfigError that stops the run."""
-        from ..data.corpus import dataset_columns, load_corpus, load_tokenizer, unreadable_dataset_is_a_config_error
-        from ..data.sft import detect_format
-
-        cfg = self.cfg
-        try:
-            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
-            if len(tokenizer) > self.model_config.vocab_size:
-                raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the model's vocabulary is "
-                                  f"{self.model_config.vocab_size}: use a matching --tokenizer or --model_config")
-            with unreadable_dataset_is_a_config_error(cfg.dataset):
-                corpus = load_corpus(cfg.dataset, cfg.dataset_split, cfg.streaming)
-                fmt = detect_format(dataset_columns(corpus), cfg.data_format, cfg.text_column)
-            if fmt == "text":
-                return tokenizer, self._text_source(tokenizer, corpus)
-            return tokenizer, self._conversation_source(tokenizer, corpus, fmt)
-        except ConfigError as e:
-            return str(e)
-
-    def _text_source(self, tokenizer, corpus) -> CorpusSource:
-        from ..data.corpus import corpus_samples
-        from ..data.sft import resolve_loss_on
-
-        cfg = self.cfg
-        resolve_loss_on("text", cfg.loss_on, [])  # text trains every token
-        if cfg.chat_template:
-            raise ConfigError(f"--chat_template applies to messages and prompt/completion data; --dataset "
-                              f"{cfg.dataset} is text")
-        samples, store = corpus_samples(cfg.dataset, cfg.dataset_split, cfg.text_column, tokenizer, self.seq_len,
-                                        cfg.data_cache_dir, cfg.streaming, cfg.num_proc, cfg.max_tokens,
-                                        cfg.last_sample == "pad", corpus=corpus)
-        self.log(f"data: {len(store.tokens):,} tokens in {len(store.doc_starts):,} documents -> {len(samples):,} "
-                 f"samples of {self.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, packing "
-                 f"{cfg.packing})")
-        return CorpusSource(samples, cfg.packing)
-
-    def _conversation_source(self, tokenizer, corpus, fmt: str) -> ChatSource:
-        from ..data.chat import template_source
-        from ..data.sft import sft_samples
-
-        cfg = self.cfg
-        samples, store, settings = sft_samples(
-            corpus, fmt, tokenizer, self.seq_len, dataset=cfg.dataset, split=cfg.dataset_split,
-            cache_dir=cfg.data_cache_dir, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
-            truncation=cfg.truncation, packing=cfg.packing, num_proc=cfg.num_proc, max_tokens=cfg.max_tokens,
-            length_flag="--verify_seq_len" if cfg.verify else "--seq_len")
-        template = f", {template_source(cfg.chat_template)}" if settings["chat_template"] else ""
-        self.log(f"data: {fmt}, loss on {settings['loss_on']}{template}: {samples.describe()} (cache "
-                 f"{'hit' if store.cache_hit else 'written'}, packing {cfg.packing})")
-        return ChatSource(samples)
+        return load_source(cfg, cfg.dataset, cfg.dataset_split, self.seq_len, self.model_config.vocab_size,
+                           self.rank, self.log)
 
     # ---------------------------------------------------------------- what the loop and --verify use
 

@@ -1,0 +1,92 @@
+"""Validation loss (`--eval_dataset`) under SP: against plain transformers on the same weights and samples, and
+through the trainer (every --eval_steps and after the last step, into metrics.jsonl)."""
+
+import os
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
+from tests.test_sft_train import _chats
+from tests.test_train_e2e import deepspeed_launcher, metrics, run
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eval")
+    tiny_tokenizer().save_pretrained(folder / "tokenizer")
+    (folder / "chatml.jinja").write_text(CHATML_QWEN)
+    return {"train": write_jsonl(folder / "train.jsonl", _chats(48)),
+            "eval": write_jsonl(folder / "eval.jsonl", _chats(7)[::-1]), "tokenizer": str(folder / "tokenizer"),
+            "template": str(folder / "chatml.jinja"), "cache": str(folder / "cache"), "out": str(folder)}
+
+
+def _args(files):
+    return ["--dataset", files["train"], "--eval_dataset", files["eval"], "--tokenizer", files["tokenizer"],
+            "--chat_template", files["template"], "--data_cache_dir", files["cache"], "--seq_len", "128"]
+
+
+def _evaluate_against_transformers(rank, world, files, settings):
+    import torch
+
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.evaluate import evaluate
+    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.verify import _gather_weights, reference_step
+
+    results = []
+    for i, extra in enumerate(settings):
+        cfg, explicit = parse_args(_args(files) + extra + ["--output_dir", os.path.join(files["out"], f"run{i}")])
+        trainer = Trainer(cfg, explicit)
+        ours = evaluate(trainer, trainer.eval_source, None)
+        weights = _gather_weights(trainer.engine, rank)
+        if rank == 0:
+            from ulysses_train.data.sources import build_batch
+
+            batches = [build_batch([trainer.eval_source.get(i)], cfg.packing)
+                       for i in range(trainer.eval_source.num_samples)]
+            ref_loss, _, _ = reference_step(trainer.model_config, weights, batches, torch.float32, trainer.device)
+            results.append((ours, ref_loss))
+    return results
+
+
+def test_eval_loss_under_sp_equals_plain_transformers(files):
+    """SP=2 (one SP group) and SP=1 (two DP groups, seven samples: the second group's last micro-batch runs past
+    the end and counts nothing), packed and not: the mean over every trained token of the eval samples."""
+    settings = [["--sp_size", "2"], ["--sp_size", "1"], ["--sp_size", "2", "--packing"]]
+    results = run_distributed(_evaluate_against_transformers, 2, files, settings, use_deepspeed=True)[0]
+    for extra, (ours, reference) in zip(settings, results):
+        assert ours["eval_loss"] == pytest.approx(reference, rel=1e-5), extra
+        assert ours["eval_tokens"] > 0 and ours["eval_samples"] >= 1
+
+
+def test_eval_runs_every_eval_steps_and_after_the_last_step(files, tmp_path):
+    run(deepspeed_launcher(2), _args(files) + ["--steps", "5", "--eval_steps", "2", "--sp_size", "2"], tmp_path)
+    records = metrics(tmp_path)
+    evaluated = [r["step"] for r in records if "eval_loss" in r]
+    assert evaluated == [2, 4, 5]
+    losses = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert losses[-1] < losses[0]  # it learns the answers' form
+
+
+def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
+    """No process: the eval flags need --eval_dataset, a missing one is named before any work, and what is wrong
+    in its rows names --eval_dataset, not --dataset."""
+    from ulysses_train.data.load import _Loader
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.preflight import preflight
+
+    for extra in (["--eval_steps", "2"], ["--eval_samples", "3"], ["--eval_split", "test"]):
+        with pytest.raises(ConfigError, match="need --eval_dataset"):
+            parse_args(["--dataset", files["train"]] + extra)[0].validate()
+    with pytest.raises(ConfigError, match="--eval_steps must be >= 0"):
+        parse_args(_args(files) + ["--eval_steps", "-1"])[0].validate()
+    cfg, _ = parse_args(_args(files)[:2] + ["--eval_dataset", str(tmp_path / "none.jsonl")])
+    with pytest.raises(ConfigError, match=f"--eval_dataset {tmp_path}/none.jsonl: no such file"):
+        preflight(cfg)
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": "not a list"}])
+    cfg, _ = parse_args(_args(files) + ["--data_cache_dir", str(tmp_path / "cache")])
+    message = _Loader(cfg, bad, "train", 128, 512, print, "eval_dataset").load()
+    assert message.startswith("row 0 of --eval_dataset: `messages` must be"), message
