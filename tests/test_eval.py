@@ -90,3 +90,5 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     cfg, _ = parse_args(_args(files) + ["--data_cache_dir", str(tmp_path / "cache")])
     message = _Loader(cfg, bad, "train", 128, 512, print, "eval_dataset").load()
     assert message.startswith("row 0 of --eval_dataset: `messages` must be"), message
+    message = _Loader(cfg, files["eval"], "validation", 128, 512, print, "eval_dataset").load()
+    assert message.startswith("--eval_split validation: ") and "no such split" in message, message

@@ -109,11 +109,16 @@ def load_corpus(spec: str, split: str = "train", streaming: bool = False):
                 raise ConfigError(f"--dataset_split {split}: {spec} has splits {list(loaded)}")
             loaded = loaded[split]
         return loaded
-    if os.path.exists(spec):
-        builder, kwargs = _local_builder(spec)
-        return datasets.load_dataset(builder, split=split, streaming=streaming, **kwargs)
-    local_or_hub("dataset", spec)
-    return datasets.load_dataset(spec, split=split, streaming=streaming)
+    try:
+        if os.path.exists(spec):
+            builder, kwargs = _local_builder(spec)
+            return datasets.load_dataset(builder, split=split, streaming=streaming, **kwargs)
+        local_or_hub("dataset", spec)
+        return datasets.load_dataset(spec, split=split, streaming=streaming)
+    except ValueError as e:  # datasets' words: 'Unknown split "x". Should be one of [...]'
+        if "Unknown split" not in str(e):
+            raise
+        raise ConfigError(f"--dataset_split {split}: {spec} has no such split ({e})") from None
 
 
 @contextmanager
