@@ -290,3 +290,48 @@ def test_hybrid_attention_and_model_on_4_ranks_match_one_process():
         assert grads.keys() == ref_grads.keys()
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- 8 ranks: the trainer, and the attention
+
+
+def _qwen2_28_heads(folder):
+    """Qwen2.5-7B's head layout (28 query heads, 4 KV heads) at tiny widths."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", vocab_size=320, hidden_size=112, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=512,
+                         attention_dropout=0.0, use_cache=False, tie_word_embeddings=True).save_pretrained(folder)
+    return str(folder / "config.json")
+
+
+def test_28_heads_train_at_sp8_as_4x2_and_hybrid_attention_on_8_ranks(tmp_path):
+    """A model of 28 heads cannot use Ulysses at 8 ranks; `--sp_size 8 --ring_size 2` (Ulysses 4 x ring 2) trains it
+    through the real trainer on packed text, with kept attention outputs, tiled MLP and lean norms, and its loss and
+    gradient norm match the single-process run step for step. The same 8 processes then check the attention at
+    (ulysses, ring) = (2, 4) and (4, 2), KV heads split and replicated, packed."""
+    import subprocess
+    import sys
+
+    from tests.test_train_e2e import ROOT, _env, _port, assert_same_curve, metrics
+
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"book{i}.txt").write_text(" ".join([f"chapter {i} the cat sat on the mat."] * (20 * i + 15)))
+    args = ["--model_config", _qwen2_28_heads(tmp_path / "model"), "--dataset", str(books), "--tokenizer", "bytes",
+            "--packing", "--seq_len", "128", "--steps", "4", "--lr", "3e-3", "--data_cache_dir", str(tmp_path / "c"),
+            "--attn_recompute", "never", "--tiled_mlp", "on", "--mlp_tile_tokens", "8", "--fused_kernels", "off"]
+    single = subprocess.run([sys.executable, "launch/train.py", *args, "--output_dir", str(tmp_path / "single")],
+                            cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr[-3000:]
+    (tmp_path / "cases").mkdir()
+    ring = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--master_port",
+                           str(_port()), "tests/helpers/train_then_ring_cases.py", *args, "--sp_size", "8",
+                           "--ring_size", "2", "--output_dir", str(tmp_path / "ring")], cwd=ROOT,
+                          env=dict(_env(), RING_CASES_OUT=str(tmp_path / "cases")), capture_output=True, text=True)
+    assert ring.returncode == 0, f"{ring.stdout[-3000:]}\n{ring.stderr[-5000:]}"
+    assert "world 8 = dp 1 x sp 8 (Ulysses 4 x ring 2)" in ring.stdout
+    assert "attention kept: True" in ring.stdout and "tiled MLP: True" in ring.stdout
+    assert_same_curve(metrics(tmp_path / "ring"), metrics(tmp_path / "single"))
+    _check_attention([torch.load(tmp_path / "cases" / f"{r}.pt") for r in range(8)], CASES_8)
