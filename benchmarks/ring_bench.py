@@ -3,8 +3,8 @@ against one call of the same kernel over the whole sequence.
 
     python benchmarks/ring_bench.py --json /tmp/ring_bench.json [--seq 131072] [--rings 2 4] [--kernels ...]
 
-Every rank of the ring is run in turn in this process (the K/V blocks are there already, so no communication is
-timed): each one's kernel calls on each block (ulysses_train/sp/ring.py: `step_tiles`), the log-sum-exp merge of
+Every rank of the ring is run in turn in this process (its chunks and the K/V blocks are there already, so neither
+the split nor any communication is timed): each one's kernel calls on each block (ulysses_train/sp/ring.py: `step_tiles`), the log-sum-exp merge of
 their outputs, and in the backward the kernel's backward on each block from the merged output, with dq, dk and dv
 summed. What this measures is what the ring adds to the attention kernel itself: more, smaller calls and the merges.
 The goal (issue: hybrid Ulysses x ring) is at most 5% at R=2 and 10% at R=4 at 131k tokens.
@@ -49,36 +49,50 @@ class SummedGradients:
             self.by_owner[src] = (dk, dv)
 
 
+def split_ranks(x: torch.Tensor, ring_size: int) -> list[torch.Tensor]:
+    """(b, s, ...) -> each ring rank's pair of zigzag chunks, (b, s / ring, ...) each."""
+    chunk = x.shape[1] // (2 * ring_size)
+    return [x[:, block_positions(i, ring_size, chunk).to(x.device)] for i in range(ring_size)]
+
+
+def join_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of split_ranks."""
+    ring_size, chunk = len(parts), parts[0].shape[1] // 2
+    out = parts[0].new_empty((parts[0].shape[0], 2 * ring_size * chunk, *parts[0].shape[2:]))
+    for i, part in enumerate(parts):
+        out[:, block_positions(i, ring_size, chunk).to(out.device)] = part
+    return out
+
+
+def run_ranks(qs, ks, vs, scale: float, kernel: BlockKernel, doc_ids=None, douts=None):
+    """Every rank of the ring in turn, on inputs already split (split_ranks): what the benchmark times. Returns
+    each rank's out, and with `douts` also each rank's dq and each block's dk, dv (fp32 or wider)."""
+    ring_size = len(qs)
+
+    def blocks(me):
+        return (((me - step) % ring_size, ks[(me - step) % ring_size], vs[(me - step) % ring_size])
+                for step in range(ring_size))
+
+    results = [ring_forward(qs[me], blocks(me), me, ring_size, scale, kernel, doc_ids) for me in range(ring_size)]
+    if douts is None:
+        return [out for out, _ in results]
+    grads = SummedGradients()
+    dqs = [ring_backward(douts[me], qs[me], *results[me], blocks(me), grads, me, ring_size, scale, kernel, doc_ids)
+           for me in range(ring_size)]
+    return [out for out, _ in results], dqs, [grads.by_owner[i] for i in range(ring_size)]
+
+
 def ring_in_one_process(q, k, v, ring_size: int, scale: float, kernel: BlockKernel,
                         doc_ids: Optional[torch.Tensor] = None, dout: Optional[torch.Tensor] = None):
     """Causal attention of q (b, s, h, d), k/v (b, s, hkv, d) computed as a zigzag ring of `ring_size` ranks, each
     run in turn -> out (b, s, h, d) in sequence order, and with `dout` also (dq, dk, dv)."""
-    s = q.shape[1]
-    chunk = s // (2 * ring_size)
-    rows = [block_positions(i, ring_size, chunk).to(q.device) for i in range(ring_size)]
-    qs, ks, vs = ([t[:, r] for r in rows] for t in (q, k, v))  # each rank's pair of chunks
-    out = torch.empty_like(q)
-    outs, lses = [], []
-    for me in range(ring_size):
-        blocks = (((me - step) % ring_size, ks[(me - step) % ring_size], vs[(me - step) % ring_size])
-                  for step in range(ring_size))
-        o, lse = ring_forward(qs[me], blocks, me, ring_size, scale, kernel, doc_ids)
-        out[:, rows[me]] = o
-        outs.append(o)
-        lses.append(lse)
+    qs, ks, vs = (split_ranks(t, ring_size) for t in (q, k, v))
     if dout is None:
-        return out
-    grads = SummedGradients()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for me in range(ring_size):
-        blocks = (((me - step) % ring_size, ks[(me - step) % ring_size], vs[(me - step) % ring_size])
-                  for step in range(ring_size))
-        dq[:, rows[me]] = ring_backward(dout[:, rows[me]], qs[me], outs[me], lses[me], blocks, grads, me, ring_size,
-                                        scale, kernel, doc_ids).to(q.dtype)
-    for owner, (gk, gv) in grads.by_owner.items():
-        dk[:, rows[owner]] = gk.to(k.dtype)
-        dv[:, rows[owner]] = gv.to(v.dtype)
-    return out, (dq, dk, dv)
+        return join_ranks(run_ranks(qs, ks, vs, scale, kernel, doc_ids))
+    outs, dqs, dkvs = run_ranks(qs, ks, vs, scale, kernel, doc_ids, split_ranks(dout, ring_size))
+    return join_ranks(outs), (join_ranks([g.to(q.dtype) for g in dqs]),
+                              join_ranks([dk.to(k.dtype) for dk, _ in dkvs]),
+                              join_ranks([dv.to(v.dtype) for _, dv in dkvs]))
 
 
 def full_call(q, k, v, scale: float, kernel: BlockKernel, dout=None):
@@ -145,7 +159,8 @@ def measure(kernel_name: str, seq: int, rings: list[int], shape: tuple, dtype, d
     full = seconds(lambda: full_call(q, k, v, scale, kernel, dout), device, warmup, reps)
     rows = [{"kernel": kernel_name, "seq": seq, "ring": 1, "seconds": full, "overhead": 0.0, "rel_error": 0.0}]
     for ring in rings:
-        t = seconds(lambda: ring_in_one_process(q, k, v, ring, scale, kernel, dout=dout), device, warmup, reps)
+        qs, ks, vs, douts = (split_ranks(x, ring) for x in (q, k, v, dout))  # what each rank holds: not timed
+        t = seconds(lambda: run_ranks(qs, ks, vs, scale, kernel, douts=douts), device, warmup, reps)
         rows.append({"kernel": kernel_name, "seq": seq, "ring": ring, "seconds": t, "overhead": t / full - 1,
                      "rel_error": check(kernel, ring, check_seq, shape, dtype, device)})
     return rows

@@ -40,9 +40,9 @@ def doc_ids(lengths):
 def reference(q, k, v, docs=None, scale=0.3):
     """q (b, s, h, d), k/v (b, s, hkv, d) -> out (b, s, h, d): causal, inside documents when `docs` is given."""
     s = q.shape[1]
-    mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
     if docs is not None:
-        ids = doc_ids(docs)
+        ids = doc_ids(docs).to(q.device)
         mask = mask & (ids[:, :, None] == ids[:, None, :])[:, None]
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, scale=scale,
                                          enable_gqa=True)
@@ -54,9 +54,9 @@ def inputs(seed, hq, hkv, s=S):
     return [torch.randn(B, s, h, D, generator=g, dtype=DTYPE) for h in (hq, hkv, hkv, hq)]  # q, k, v, dout
 
 
-def reference_with_grads(q, k, v, dout, docs):
+def reference_with_grads(q, k, v, dout, docs, scale=0.3):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = reference(q, k, v, docs)
+    out = reference(q, k, v, docs, scale)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -78,6 +78,22 @@ def test_ring_arithmetic_in_one_process():
                 out, grads = ring_in_one_process(q, k, v, ring, 0.3, kernel, ids, dout)
                 for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
                     torch.testing.assert_close(got, ref, **TOL, msg=lambda m: f"R={ring} {hq}/{hkv} {name}: {m}")
+
+
+def test_ring_bench_runs_on_cpu_and_checks_itself(tmp_path, capsys):
+    """benchmarks/ring_bench.py at a tiny size on the CPU: a row per ring size, each checked against one call."""
+    import json
+
+    from benchmarks.ring_bench import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--seq", "64", "--rings", "2", "4", "--heads", "4", "--kv_heads", "2",
+                 "--head_dim", "8", "--dtype", "fp32", "--check_seq", "32", "--warmup", "0", "--reps", "1",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["ring"]) for r in rows] == [("sdpa", 1), ("sdpa", 2), ("sdpa", 4)]
+    assert all(r["rel_error"] < 1e-5 and r["seconds"] > 0 for r in rows)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("sdpa")  # the table comes last
 
 
 def test_zigzag_gives_every_rank_the_same_work_at_every_step():

@@ -55,24 +55,26 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal):
 # ---------------------------------------------------------------- SDPA on CUDA: cuDNN
 
 # The cuDNN backward takes the forward's random-number state and sequence offsets even without dropout or nested
-# tensors; the placeholders of the latest forward on each device are handed back (what SDPA's own autograd does).
+# tensors; the placeholders of the latest forward on each device are handed back (what SDPA's own autograd does),
+# with the number of dims of its log-sum-exp (a trailing dim of one in some releases).
 _CUDNN_EXTRAS: dict = {}
 
 
 def _cudnn_forward(q, k, v, scale, causal):
     out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         *_heads_first(q, k, v), None, True, 0.0, causal, False, scale=scale)
-    _CUDNN_EXTRAS[q.device] = (seed, offset, cum_q, cum_k)
+    _CUDNN_EXTRAS[q.device] = (seed, offset, cum_q, cum_k, lse.dim())
     b, h, n = out.shape[:3]
-    return out.transpose(1, 2), lse.reshape(b, h, n)  # cuDNN's may carry a trailing dim of one
+    return out.transpose(1, 2), lse.reshape(b, h, n)
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
-    seed, offset, cum_q, cum_k = _CUDNN_EXTRAS[q.device]
+    seed, offset, cum_q, cum_k, lse_dims = _CUDNN_EXTRAS[q.device]
+    lse = lse.contiguous()
     qh, kh, vh, oh, dh = _heads_first(q, k, v, out, dout)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dh, qh, kh, vh, oh, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, q.shape[1], k.shape[1], 0.0,
-        causal, scale=scale)
+        dh, qh, kh, vh, oh, lse.unsqueeze(-1) if lse_dims == 4 else lse, seed, offset, None, cum_q, cum_k,
+        q.shape[1], k.shape[1], 0.0, causal, scale=scale)
     return _heads_first(*grads)
 
 
@@ -100,7 +102,8 @@ def _fa2_backward(dout, q, k, v, out, lse, scale, causal):
     from flash_attn.flash_attn_interface import _flash_attn_backward
 
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _call_by_name(_flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
+    _call_by_name(_flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
+                  dq=dq,
                   dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1),
                   window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
                   rng_state=None)
@@ -115,7 +118,7 @@ def _fa4_forward(q, k, v, scale, causal):
 
 
 def _fa4_backward(dout, q, k, v, out, lse, scale, causal):
-    return fa4_op.IMPL["backward"](dout.contiguous(), q, k, v, out, lse, scale, causal)
+    return fa4_op.IMPL["backward"](dout.contiguous(), q, k, v, out, lse.contiguous(), scale, causal)
 
 
 REFERENCE = BlockKernel(fa4_op.reference_forward, fa4_op.reference_backward)

@@ -168,12 +168,17 @@ def ring_forward(q: Tensor, blocks, me: int, size: int, scale: float, kernel: Bl
     b, n, h, _ = q.shape
     chunk = n // 2
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    out = lse = None
     docs_q = _tile_docs(doc_ids, me, size, chunk)
     for src, k, v in blocks:
         for t in step_tiles(me, src, chunk, docs_q, _tile_docs(doc_ids, src, size, chunk)):
             block_out, block_lse = kernel.forward(q[t.rows, t.q], k[t.rows, t.k], v[t.rows, t.k], scale, t.causal)
+            if out is None and block_out.shape == q.shape:  # the first block covers every row: nothing to merge
+                out, lse = block_out.to(acc), block_lse.to(acc)
+                continue
+            if out is None:
+                out = torch.zeros(q.shape, dtype=acc, device=q.device)
+                lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
             merge(out[t.rows, t.q], lse[t.rows, :, t.q], block_out, block_lse)
     return out.to(q.dtype), lse
 
@@ -183,7 +188,7 @@ def ring_backward(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, blocks, gra
     """dq of this rank's queries (fp32 or wider); each block's dk, dv shares go to `grads.add`."""
     chunk = q.shape[1] // 2
     acc = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None
     docs_q = _tile_docs(doc_ids, me, size, chunk)
     for src, k, v in blocks:
         dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
@@ -191,7 +196,11 @@ def ring_backward(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, blocks, gra
             qr = (t.rows, t.q)
             block_dq, block_dk, block_dv = kernel.backward(dout[qr], q[qr], k[t.rows, t.k], v[t.rows, t.k], out[qr],
                                                            lse[t.rows, :, t.q], scale, t.causal)
-            dq[qr] += block_dq
+            if dq is None and block_dq.shape == q.shape:  # the first block covers every row
+                dq = block_dq.to(acc)
+            else:
+                dq = torch.zeros(q.shape, dtype=acc, device=q.device) if dq is None else dq
+                dq[qr] += block_dq
             dk[t.rows, t.k] += block_dk
             dv[t.rows, t.k] += block_dv
         grads.add(src, dk, dv)
