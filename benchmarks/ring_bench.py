@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.sp.block_kernels import BlockKernel, block_kernel  # noqa: E402
-from ulysses_train.sp.ring import block_positions, ring_backward, ring_forward  # noqa: E402
+from ulysses_train.sp.ring import ring_backward, ring_forward  # noqa: E402
+from ulysses_train.sp.sharding import block_positions  # noqa: E402
 
 
 class SummedGradients:

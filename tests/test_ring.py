@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from benchmarks.ring_bench import ring_in_one_process
 from tests.distributed import run_distributed
 from ulysses_train.sp.block_kernels import REFERENCE, block_kernel
-from ulysses_train.sp.ring import block_positions, step_tiles
-from ulysses_train.sp.sharding import shard_order, shard_sequence
+from ulysses_train.sp.ring import step_tiles
+from ulysses_train.sp.sharding import block_positions, shard_order, shard_sequence
 
 DTYPE = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .block_kernels import BlockKernel, block_kernel
+from .sharding import block_positions
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,6 @@ class Tile:
     q: slice
     k: slice
     causal: bool
-
-
-def block_positions(owner: int, ring_size: int, chunk: int) -> Tensor:
-    """The global positions of ring rank `owner`'s block: chunks owner and 2R-1-owner, (2 chunk,)."""
-    second = 2 * ring_size - 1 - owner
-    return torch.cat([torch.arange(owner * chunk, (owner + 1) * chunk),
-                      torch.arange(second * chunk, (second + 1) * chunk)])
 
 
 def _runs(ids: Tensor, offset: int) -> dict[int, tuple[int, int]]:
@@ -109,9 +103,10 @@ class RingExchange:
         self.group, self.tag = group, tag
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
-        self.requests, self.incoming = [], []
+        self.requests, self.incoming, self.outgoing = [], [], []
 
     def start(self, tensors: list[Tensor]) -> None:
+        self.outgoing = tensors  # held until `wait`: the sends read them in the background
         self.incoming = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, self.tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, self.tag) for t in self.incoming]
@@ -120,7 +115,7 @@ class RingExchange:
     def wait(self) -> list[Tensor]:
         for request in self.requests:
             request.wait()
-        self.requests = []
+        self.requests, self.outgoing = [], []
         return self.incoming
 
 

@@ -21,6 +21,13 @@ from .dims import sequence_multiple
 IGNORE_INDEX = -100
 
 
+def block_positions(owner: int, ring_size: int, chunk: int) -> torch.Tensor:
+    """The global positions ring rank `owner` holds: chunks owner and 2R-1-owner, in that order, (2 chunk,)."""
+    second = 2 * ring_size - 1 - owner
+    return torch.cat([torch.arange(owner * chunk, (owner + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
 def shard_order(seq_len: int, ring_size: int = 1) -> torch.Tensor:
     """(seq_len,): the global positions of the SP ranks' shards laid end to end (rank 0's first), whatever the
     Ulysses degree: SP rank r holds entries [r * seq_len/sp, (r+1) * seq_len/sp). Without a ring: 0, 1, 2, ...;
@@ -28,8 +35,7 @@ def shard_order(seq_len: int, ring_size: int = 1) -> torch.Tensor:
     if ring_size == 1:
         return torch.arange(seq_len)
     chunk = seq_len // (2 * ring_size)
-    pairs = [(i, 2 * ring_size - 1 - i) for i in range(ring_size)]
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for pair in pairs for c in pair])
+    return torch.cat([block_positions(i, ring_size, chunk) for i in range(ring_size)])
 
 
 def shift_labels(input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
