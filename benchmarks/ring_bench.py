@@ -67,7 +67,8 @@ def join_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def run_ranks(qs, ks, vs, scale: float, kernel: BlockKernel, doc_ids=None, douts=None):
     """Every rank of the ring in turn, on inputs already split (split_ranks): what the benchmark times. Returns
-    each rank's out, and with `douts` also each rank's dq and each block's dk, dv (fp32 or wider)."""
+    each rank's out, and with `douts` also each rank's dq and each block's (dk, dv), cast back to the inputs' dtype
+    as the ring's op does."""
     ring_size = len(qs)
 
     def blocks(me):
@@ -78,9 +79,10 @@ def run_ranks(qs, ks, vs, scale: float, kernel: BlockKernel, doc_ids=None, douts
     if douts is None:
         return [out for out, _ in results]
     grads = SummedGradients()
-    dqs = [ring_backward(douts[me], qs[me], *results[me], blocks(me), grads, me, ring_size, scale, kernel, doc_ids)
-           for me in range(ring_size)]
-    return [out for out, _ in results], dqs, [grads.by_owner[i] for i in range(ring_size)]
+    dqs = [ring_backward(douts[me], qs[me], *results[me], blocks(me), grads, me, ring_size, scale, kernel,
+                         doc_ids).to(qs[me].dtype) for me in range(ring_size)]
+    dkvs = [(dk.to(ks[i].dtype), dv.to(vs[i].dtype)) for i, (dk, dv) in sorted(grads.by_owner.items())]
+    return [out for out, _ in results], dqs, dkvs
 
 
 def ring_in_one_process(q, k, v, ring_size: int, scale: float, kernel: BlockKernel,
@@ -91,9 +93,7 @@ def ring_in_one_process(q, k, v, ring_size: int, scale: float, kernel: BlockKern
     if dout is None:
         return join_ranks(run_ranks(qs, ks, vs, scale, kernel, doc_ids))
     outs, dqs, dkvs = run_ranks(qs, ks, vs, scale, kernel, doc_ids, split_ranks(dout, ring_size))
-    return join_ranks(outs), (join_ranks([g.to(q.dtype) for g in dqs]),
-                              join_ranks([dk.to(k.dtype) for dk, _ in dkvs]),
-                              join_ranks([dv.to(v.dtype) for _, dv in dkvs]))
+    return join_ranks(outs), (join_ranks(dqs), join_ranks([dk for dk, _ in dkvs]), join_ranks([dv for _, dv in dkvs]))
 
 
 def full_call(q, k, v, scale: float, kernel: BlockKernel, dout=None):
