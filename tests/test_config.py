@@ -70,6 +70,47 @@ def test_parallel_dims_and_errors_name_the_flag():
     assert valid_sp_sizes(8, 28, 4, requested=8) == []  # Qwen2.5-7B's 28 heads
 
 
+def test_ring_dims_layout_and_errors_name_the_flags():
+    """SP = Ulysses x ring: Ulysses groups are consecutive ranks, rings stride across them, inside each SP group."""
+    from ulysses_train.sp.dims import resolve_ring_size, sequence_multiple
+
+    dims = ParallelDims(world_size=16, sp_size=8, ring_size=2)
+    assert dims.ulysses_size == 4 and dims.dp_size == 2
+    assert dims.ulysses_group_ranks(13) == [12, 13, 14, 15] and dims.ring_group_ranks(13) == [9, 13]
+    assert dims.ring_group_ranks(2) == [2, 6] and dims.sp_group_ranks(13) == list(range(8, 16))
+    # every SP group is the disjoint union of its Ulysses groups, and of its rings
+    for rank in range(16):
+        sp = set(dims.sp_group_ranks(rank))
+        assert set().union(*(dims.ulysses_group_ranks(r) for r in sp)) == sp
+        assert set().union(*(dims.ring_group_ranks(r) for r in sp)) == sp
+        assert set(dims.ulysses_group_ranks(rank)) & set(dims.ring_group_ranks(rank)) == {rank}
+    with pytest.raises(ConfigError, match="--ring_size 3 does not divide --sp_size 8"):
+        ParallelDims(8, 8, 3)
+    # Qwen2.5-7B: 28 heads, 4 KV heads; pure Ulysses at 8 fails and the message proposes the ring
+    with pytest.raises(ConfigError, match=r"--sp_size 8 must divide the model's 28 attention heads; .*--ring_size 2 "
+                                          r"\(Ulysses 4 x ring 2\), which --ring_size auto picks"):
+        check_heads(8, 28, 4)
+    check_heads(8, 28, 4, ring_size=2)
+    with pytest.raises(ConfigError, match="--sp_size 16 / --ring_size 2 = Ulysses degree 8 must divide the model's "
+                                          "28 attention heads"):
+        check_heads(16, 28, 4, ring_size=2)
+    with pytest.raises(ConfigError, match="Ulysses degree 8 and the model's 3 KV heads"):
+        check_heads(16, 24, 3, ring_size=2)
+    assert resolve_ring_size("auto", 8, 28, 4) == 2 and resolve_ring_size("auto", 32, 16, 8) == 2
+    assert resolve_ring_size("auto", 8, 32, 8) == 1 and resolve_ring_size("auto", 6, 7, 7) == 6
+    assert resolve_ring_size("3", 6, 8, 8) == 3
+    assert sequence_multiple(8, 1) == 8 and sequence_multiple(8, 2) == 8 and sequence_multiple(6, 3) == 6
+    assert sequence_multiple(2, 2) == 4 and sequence_multiple(12, 4) == 24
+    with pytest.raises(ConfigError, match=r"--seq_len 36 is not a multiple of 24 \(2 x --ring_size 4 zigzag chunks"):
+        validate(12, 12, 12, 12, {"seq_len": 36}, ring_size=4)
+    assert valid_sp_sizes(8, 28, 4, requested=8, ring=True) == [8]
+    for bad in ("0", "-1", "two"):
+        cfg, _ = parse_args(["--ring_size", bad])
+        with pytest.raises(ConfigError, match=f"--ring_size must be a positive number or auto, got {bad}"):
+            cfg.validate()
+    parse_args(["--ring_size", "auto"])[0].validate()
+
+
 def test_validate_rejects_bad_flags(tmp_path):
     cfg, _ = parse_args(["--model", "x", "--model_config", "tiny"])
     with pytest.raises(ConfigError, match="mutually exclusive"):

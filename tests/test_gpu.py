@@ -352,3 +352,64 @@ def test_first_step_in_bf16_is_as_exact_as_transformers(tmp_path, ds_config):
     assert proc.returncode == (0 if result["passed"] else 1)
     assert result["dtype"] == "bfloat16" and not result["buffer_mismatches"], result
     assert result["passed"], proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash_attn", "flash_attn_4"])
+@pytest.mark.parametrize("ring", [2, 4])
+def test_ring_blocks_bf16_match_fp64_reference(kernel, ring):
+    """The ring's block kernels on the GPU (cuDNN, FA2, FA4: forward with the log-sum-exp, backward from the merged
+    output), every rank in one process, packed documents in the second row: against fp64 masked attention."""
+    from benchmarks.ring_bench import ring_in_one_process
+    from tests.test_ring import doc_ids, reference_with_grads
+    from ulysses_train.sp.block_kernels import block_kernel
+    from ulysses_train.sp.kernels import kernel_available
+
+    if not kernel_available(kernel):
+        pytest.skip(f"{kernel} not installed")
+    g = torch.Generator().manual_seed(ring)
+    q, k, v, dout = (torch.randn(2, S, h, D, generator=g) for h in (32, 8, 8, 32))
+    docs = [[S], [1000, 96, S - 1096]]
+    want = [t.cpu() for t in reference_with_grads(*(t.cuda().double() for t in (q, k, v, dout)), docs, D ** -0.5)]
+    got_out, got_grads = ring_in_one_process(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), ring, D ** -0.5,
+                                             block_kernel(kernel, torch.device("cuda"), torch.bfloat16),
+                                             doc_ids(docs), dout.to("cuda", torch.bfloat16))
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (got_out, *got_grads), want):
+        assert _rel(got.cpu(), ref) < 2e-2, name
+
+
+def _nccl_ring(rank, world, kernel, seed):
+    from ulysses_train.sp.attention import UlyssesAttention
+    from ulysses_train.sp.groups import SequenceParallelGroups
+    from ulysses_train.sp.sharding import shard_order
+
+    groups = SequenceParallelGroups(world, world)  # a pure ring
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(B, S, h, D, generator=g).to("cuda", torch.bfloat16) for h in (32, 8, 8, 32))
+    mine = shard_order(S, world)[rank * S // world:(rank + 1) * S // world].cuda()
+    ql, kl, vl = (t[:, mine].transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+    out, _ = UlyssesAttention(groups.ulysses_group, kernel, groups.ring_group)(None, ql, kl, vl, None,
+                                                                               scaling=D ** -0.5)
+    out.backward(dout[:, mine])
+    return {"rows": mine.cpu(), **{n: t.detach().float().cpu() for n, t in (
+        ("out", out), ("dq", ql.grad.transpose(1, 2)), ("dk", kl.grad.transpose(1, 2)),
+        ("dv", vl.grad.transpose(1, 2)))}}
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash_attn_4"])
+def test_ring_over_nccl_matches_fp64_reference(kernel):
+    """A ring of 2 GPUs (K/V blocks and dK/dV over NCCL point-to-point) in bf16: every rank's shard of the output
+    and of dq, dk, dv against fp64 attention over the whole sequence."""
+    from tests.test_ring import reference_with_grads
+    from ulysses_train.sp.kernels import kernel_available
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if not kernel_available(kernel):
+        pytest.skip(f"{kernel} not installed")
+    results = run_distributed(_nccl_ring, 2, kernel, 11, backend="nccl")
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(B, S, h, D, generator=g).cuda().bfloat16().double() for h in (32, 8, 8, 32))
+    want = [t.cpu() for t in reference_with_grads(q, k, v, dout, None, D ** -0.5)]
+    for r in results:
+        for name, ref in zip(("out", "dq", "dk", "dv"), want):
+            assert _rel(r[name], ref[:, r["rows"]]) < 2e-2, name

@@ -211,3 +211,45 @@ def test_bad_settings_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
     out, err = capsys.readouterr()
     assert re.search(message, err) and err.startswith("error: ") and err.count("\n") == 1, err
     assert "fits" not in out
+
+
+def test_ring_buffers_and_traffic_by_hand():
+    """With a ring the all-to-all spans the Ulysses group only; the ring adds its K/V blocks and fp32 dK/dV
+    accumulators (in flight and in hand) and dq's accumulator, and sends K/V and dK/dV blocks around."""
+    from ulysses_train.tools.plan import communication
+
+    g = geometry(tiny_config("qwen3"))  # heads 8 x head_dim 8, kv 4, 2 layers
+    t, ulysses, ring = 128, 2, 4  # 1024 tokens over sp 8 = Ulysses 2 x ring 4
+    e = estimate(g, 1024, 8, 8, Levers(keep_attention=True), ring=ring)
+    assert e["ring_size"] == 4 and e["tokens_per_rank"] == t
+    assert e["gpu"]["all-to-all buffers"] == 2 * t * (64 + 2 * max(32, 8 * ulysses)) * 2
+    kv_block = 2 * (t * ulysses) * (4 // ulysses) * 8  # k and v of a ring rank's pair of chunks
+    assert e["gpu"]["ring buffers"] == 2 * kv_block * 2 + 3 * kv_block * 4 + t * ulysses * (64 // ulysses) * 4
+    assert "ring buffers" not in estimate(g, 1024, 8, 8, Levers())["gpu"]
+    sent = communication(g, 1024, 8, ring, Levers(keep_attention=True))
+    assert sent["ring point-to-point"] == 2 * ((ring - 1) * kv_block * 2 * 2 + ring * kv_block * 4)
+    assert sent["all-to-all"] == 2 * 2 * (2 * 64 + 2 * 32) * t * 2 // 2  # forward and backward, half leaves
+    recomputed = communication(g, 1024, 8, ring, Levers(keep_attention=False))  # the recompute sends K/V again
+    assert recomputed["ring point-to-point"] - sent["ring point-to-point"] == 2 * (ring - 1) * kv_block * 2
+
+
+def test_planner_proposes_a_ring_where_heads_forbid_ulysses(tmp_path, capsys):
+    """28 heads and 4 KV heads (Qwen2.5-7B's layout) on 8 GPUs: SP 8 is Ulysses 4 x ring 2."""
+    from transformers import AutoConfig
+
+    from ulysses_train.tools.plan import sp_plans
+
+    config = AutoConfig.for_model("qwen2", vocab_size=1024, hidden_size=28 * 16, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)
+    config.save_pretrained(tmp_path)
+    g = geometry(config)
+    assert sp_plans(g, 8) == [(1, 1), (2, 1), (4, 1), (8, 2)]
+    assert sp_plans(g, 8, ring=1) == [(1, 1), (2, 1), (4, 1)] and sp_plans(g, 8, 8, 4) == [(8, 4)]
+    assert main(["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--gpus", "8",
+                 "--sp_size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "--sp_size 8 does not suit 28 heads / 4 KV heads without a ring (--ring_size 2, or auto)" in out
+    assert "fits with --sp_size 8 --ring_size 2 " in out and "ring buffers" in out and "ring point-to-point" in out
+    assert main(["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--gpus", "8",
+                 "--sp_size", "8", "--ring_size", "1"]) == 2
+    assert "--sp_size 8 must divide the model's 28 attention heads" in capsys.readouterr().err

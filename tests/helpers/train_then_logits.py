@@ -9,7 +9,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from ulysses_train.train.config import parse_args  # noqa: E402
-from ulysses_train.sp.sharding import shard_sequence  # noqa: E402
+from ulysses_train.sp.sharding import shard_order, shard_sequence  # noqa: E402
 from ulysses_train.train.launcher import normalise_launcher_env  # noqa: E402
 from ulysses_train.train.loop import train  # noqa: E402
 from ulysses_train.train.trainer import Trainer  # noqa: E402
@@ -20,7 +20,7 @@ trainer = Trainer(cfg, explicit)
 train(trainer)
 g = trainer.groups
 ids = torch.arange(3, 3 + 64)[None] % trainer.model_config.vocab_size
-shard = shard_sequence(ids, g.sp_size, g.sp_rank)
+shard = shard_sequence(ids, g.sp_size, g.sp_rank, ring_size=g.ring_size)
 model = trainer.module.model
 with torch.no_grad():
     hidden = model.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"])[0]
@@ -28,6 +28,7 @@ with torch.no_grad():
 parts = [torch.empty_like(logits) for _ in range(g.sp_size)]
 dist.all_gather(parts, logits.contiguous(), group=g.sp_group)
 if trainer.rank == 0:
-    torch.save(torch.cat(parts, dim=1), os.environ["LOGITS_OUT"])
+    # shards laid end to end are in zigzag order under a ring: back to sequence order
+    torch.save(torch.cat(parts, dim=1)[:, shard_order(64, g.ring_size).argsort()], os.environ["LOGITS_OUT"])
 dist.barrier()
 dist.destroy_process_group()  # without it, gloo's teardown at interpreter exit now and then aborts a finished rank

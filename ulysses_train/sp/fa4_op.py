@@ -11,8 +11,9 @@ Layout (b, s, h, d) for q, k, v and out, lse (b, h, s) fp32; GQA native (k, v wi
 Packed documents go through `ulysses::fa4_varlen_fwd` / `fa4_varlen_bwd`: q, k, v, out (total, h, d), lse (h, total),
 documents given by `cu_seqlens` (int32, their start offsets and the total). One kernel call per layer for every
 document, rather than one per document: the kept outputs then have the same shapes at every step, and a sample of
-many short conversations does not pay a launch per conversation.
-`IMPL` holds the two kernel calls; the CPU tests swap in an exact reference to check the op plumbing (keeping,
+many short conversations does not pay a launch per conversation. The ring (ring.py) calls `IMPL` directly, causal or
+not, for its blocks.
+`IMPL` holds the kernel calls; the CPU tests swap in an exact reference to check the op plumbing (keeping,
 offload, gradients) without the package or a GPU.
 """
 
@@ -24,18 +25,18 @@ import torch
 from torch import Tensor
 
 
-def _fa4_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _fa4_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)[:2]
     return out, lse
 
 
 def _fa4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float, causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True)[:3]
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)[:3]
     return dq, dk, dv
 
 
@@ -160,24 +161,28 @@ def _expand(t: Tensor, heads: int) -> Tensor:
     return t.repeat_interleave(heads // t.shape[2], dim=2)
 
 
-def reference_forward(q, k, v, scale):
+def _mask_future(scores: Tensor, causal: bool) -> Tensor:
+    if not causal:
+        return scores
+    n, m = scores.shape[-2:]
+    return scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+
+
+def reference_forward(q, k, v, scale, causal=True):
     """What the kernel computes, in plain ops: (out, lse) in the kernel's layouts."""
-    s = q.shape[1]
     qh, kh, vh = (t.transpose(1, 2) for t in (q, _expand(k, q.shape[2]), _expand(v, q.shape[2])))  # (b, h, s, d)
-    scores = (qh @ kh.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = _mask_future((qh @ kh.transpose(-1, -2)) * scale, causal)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     lse = torch.logsumexp(scores, dim=-1)  # (b, h, s), fp32 as the kernel's (fp64 in fp64 tests)
     out = (torch.exp(scores - lse[..., None]).to(q.dtype) @ vh).transpose(1, 2).contiguous()
     return out, lse
 
 
-def reference_backward(dout, q, k, v, out, lse, scale):
+def reference_backward(dout, q, k, v, out, lse, scale, causal=True):
     """The analytic gradient of softmax attention from (out, lse), with GQA heads summed per KV head."""
-    heads, s = q.shape[2], q.shape[1]
+    heads = q.shape[2]
     qh, kh, vh, oh, dh = (t.transpose(1, 2) for t in (q, _expand(k, heads), _expand(v, heads), out, dout))
-    scores = (qh @ kh.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = _mask_future((qh @ kh.transpose(-1, -2)) * scale, causal)
     p = torch.exp(scores - lse[..., None])  # (b, h, s, s)
     dv = p.transpose(-1, -2) @ dh
     dp = dh @ vh.transpose(-1, -2)

@@ -1,5 +1,9 @@
 """Sequence-parallel process groups (layout and validation: dims.py), handed to DeepSpeed as its `mpu`.
 
+With a ring (`--ring_size` > 1) each SP group is further cut into Ulysses groups (consecutive ranks: the
+all-to-alls) and ring groups (one rank of each Ulysses group: the K/V blocks' point-to-point sends). DeepSpeed sees
+only the whole SP group: how it is cut inside changes nothing for ZeRO, the loss or the gradients.
+
 ZeRO partitions parameters, gradients and optimizer states over *all* ranks (DeepSpeed's "sequence data parallel"
 group), because SP ranks hold identical parameters just as DP ranks do.
 
@@ -39,24 +43,23 @@ def init_distributed(backend: str) -> None:
 class SequenceParallelGroups:
     """Creates the SP and DP process groups (collectively, on every rank) and exposes DeepSpeed's mpu interface."""
 
-    def __init__(self, sp_size: int):
+    def __init__(self, sp_size: int, ring_size: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (deepspeed.init_distributed) before building SP groups")
         world, rank = dist.get_world_size(), dist.get_rank()
-        self.dims = ParallelDims(world, sp_size)
+        self.dims = ParallelDims(world, sp_size, ring_size)
         self.rank = rank
-        self.sp_group = self.dp_group = None
         # new_group is collective: every rank creates every group, in the same order
-        for first in range(0, world, sp_size):
-            ranks = self.dims.sp_group_ranks(first)
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.sp_group = group
-        for first in range(sp_size):
-            ranks = self.dims.dp_group_ranks(first)
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.dp_group = group
+        self.sp_group = self._new_groups(self.dims.sp_group_ranks, range(0, world, sp_size))
+        # Ulysses x ring inside each SP group; without a ring the Ulysses group is the SP group
+        self.ulysses_group, self.ring_group = self.sp_group, None
+        if ring_size > 1:
+            ulysses = self.dims.ulysses_size
+            self.ulysses_group = self._new_groups(self.dims.ulysses_group_ranks, range(0, world, ulysses))
+            # ring groups start at the first `ulysses` ranks of each SP group
+            self.ring_group = self._new_groups(self.dims.ring_group_ranks, [
+                start + u for start in range(0, world, sp_size) for u in range(ulysses)])
+        self.dp_group = self._new_groups(self.dims.dp_group_ranks, range(sp_size))
         self.world_group = dist.new_group(list(range(world)))
         # no tensor or pipeline parallelism: a model-parallel group of one rank each (DeepSpeed's gradient clipping
         # outside ZeRO reduces the norm over it)
@@ -65,10 +68,29 @@ class SequenceParallelGroups:
             if other == rank:
                 self.model_parallel_group = group
 
+    def _new_groups(self, ranks_of, firsts):
+        """The group `ranks_of(first)` for each of `firsts` (collective: every rank creates all); returns this
+        rank's."""
+        mine = None
+        for first in firsts:
+            ranks = ranks_of(first)
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     # ---- our own accessors ----
     @property
     def sp_size(self) -> int:
         return self.dims.sp_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.dims.ring_size
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.dims.ulysses_size
 
     @property
     def dp_size(self) -> int:
@@ -77,6 +99,14 @@ class SequenceParallelGroups:
     @property
     def sp_rank(self) -> int:
         return self.rank % self.sp_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.ulysses_size
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses_size
 
     @property
     def dp_rank(self) -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import ring
 from .fa4_op import FORWARD_OP, VARLEN_FORWARD_OP, fa4_attention, fa4_varlen_attention
 
 def _per_document(kernel, q, k, v, scale, docs):
@@ -119,12 +120,12 @@ def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
 
 
 # the attention kernels as the dispatcher sees them (what selective checkpointing keeps and the offload moves): every
-# SDPA backend, our FA4 op and the flash_attn package's
+# SDPA backend, our FA4 op, our ring op and the flash_attn package's
 ATTENTION_OPS = [getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(torch.ops.aten, name)]
-ATTENTION_OPS += [FORWARD_OP, VARLEN_FORWARD_OP]
+ATTENTION_OPS += [FORWARD_OP, VARLEN_FORWARD_OP, ring.FORWARD_OP]
 try:
     ATTENTION_OPS.append(torch.ops.flash_attn._flash_attn_forward.default)
 except (AttributeError, RuntimeError):

@@ -1,13 +1,17 @@
 """Memory planner: will this run fit, which levers does it need, how many GPUs?
 
-    python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ds_config F]
+    python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ring_size R]
+        [--ds_config F]
     python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
 
 Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
 the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
-recomputed (attention, MLP tiled or not), the loss, and the all-to-all buffers. It first says what the default
-flags do (the levers come from the same policy as the trainer's, levers/policy.py), then the cheapest levers that
-fit. The formulas are in docs/memory.md with a comparison against the peaks measured on the H200."""
+recomputed (attention, MLP tiled or not), the loss, the all-to-all buffers and, with a ring, the K/V blocks in flight
+and their fp32 gradient accumulators; and what each rank sends per step (all-to-all and ring point-to-point). It
+first says what the default flags do (the levers come from the same policy as the trainer's, levers/policy.py),
+then the cheapest levers that fit. Where the heads forbid a pure Ulysses split of an SP size, it plans that size
+with the ring `--ring_size auto` would choose. The formulas are in docs/memory.md with a comparison against the
+peaks measured on the H200."""
 
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from ..errors import ConfigError
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_bytes, kept_attention_bytes, \
     resolve_levers
 from ..model.geometry import geometry
-from ..sp.dims import check_heads, valid_sp_sizes
+from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
+from ..train.config import ring_size_number
 from ..train.ds_config import lever_choices, load_ds_config
 
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -71,10 +76,41 @@ def loss_bytes(g: dict, t: int, kernel: str, loss_chunk: int = 4096, b: int = 2)
     return states + loss_chunk * v * (4 + b)
 
 
+def ring_bytes(g: dict, t: int, sp: int, ring: int, act_bytes: int) -> int:
+    """The ring's buffers of one rank at their peak, in the backward: the K/V block in hand and the next one
+    arriving (model dtype), the dK/dV accumulators of the block in hand, the one being sent and the one arriving
+    (fp32), and dq's fp32 accumulator. A ring rank attends t x ulysses tokens (its pair of chunks) with heads /
+    ulysses query heads and kv / ulysses KV heads (one, replicated, when kv < ulysses)."""
+    if ring == 1:
+        return 0
+    ulysses = sp // ring
+    tokens, kv_heads = t * ulysses, max(g["kv"] // ulysses, 1)
+    kv_block = 2 * tokens * kv_heads * g["head_dim"]  # k and v, elements
+    return 2 * kv_block * act_bytes + 3 * kv_block * 4 + tokens * g["attn_width"] // ulysses * 4
+
+
+def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act_bytes: int = 2) -> dict:
+    """Bytes one rank sends per sequence (one micro-batch) through the all-to-alls and the ring's point-to-point
+    sends, every layer, forward and backward (and the recompute's forward unless attention outputs are kept)."""
+    ulysses, t = sp // ring, math.ceil(seq_len / sp)
+    forwards = 1 if levers.keep_attention or not levers.checkpointing else 2
+    kv_width = max(g["kv_width"], ulysses * g["head_dim"]) if ulysses > 1 else g["kv_width"]
+    # q, k, v in and the output back, leaving (u - 1)/u of each; the backward moves their gradients the same way
+    a2a = 0 if ulysses == 1 else (2 * g["attn_width"] + 2 * kv_width) * t * act_bytes * (ulysses - 1) // ulysses
+    kv_block = 2 * t * ulysses * max(g["kv"] // ulysses, 1) * g["head_dim"]  # elements of a ring rank's k and v
+    # forward: R - 1 K/V blocks on; backward: R - 1 K/V blocks again and R fp32 dK/dV accumulators
+    p2p = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes
+    p2p_backward = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes + ring * kv_block * 4
+    layers = g["layers"]
+    return {"all-to-all": layers * a2a * (forwards + 1), "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
+
+
 def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
-             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2) -> dict:
-    """Bytes per GPU (and per host, for all local ranks' offloads) of each component."""
+             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1) -> dict:
+    """Bytes per GPU (and per host, for all local ranks' offloads) of each component; `ring`: --ring_size (sp is
+    then Ulysses sp / ring x ring)."""
     t = math.ceil(seq_len / sp)  # tokens per rank
+    ulysses = sp // ring
     n, b = g["params"], act_bytes
     # ZeRO partitions optimizer states from stage 1, gradients from stage 2, weights at stage 3, over all GPUs
     w_div, g_div, o_div = (gpus if zero_stage >= k else 1 for k in (3, 2, 1))
@@ -100,20 +136,24 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
     layer = hidden_acts + max(attention, mlp)
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
-    a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * sp)) * b if sp > 1 else 0
+    a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
+    ring_buffers = ring_bytes(g, t, sp, ring, b)
     on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
     on_gpu_kept = 0 if levers.offload_activations else kept  # the offload takes the kept outputs too
     gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
            "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
+    if ring > 1:
+        gpu["ring buffers"] = ring_buffers
     # the loss runs at the end of the forward, the layer working set in the backward: never both at once
-    transient = max(layer + a2a, loss)
+    transient = max(layer + a2a + ring_buffers, loss)
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
             "offloaded checkpoints": ((checkpoints if levers.offload_activations else 0) + kept - on_gpu_kept)
             * ranks_per_host}
-    return {"tokens_per_rank": t, "gpu": gpu, "gpu_total": gpu_total, "host": host,
-            "host_total": sum(host.values()) + 4 * GiB * ranks_per_host}
+    return {"tokens_per_rank": t, "ring_size": ring, "gpu": gpu, "gpu_total": gpu_total, "host": host,
+            "host_total": sum(host.values()) + 4 * GiB * ranks_per_host,
+            "sent_per_sequence": communication(g, seq_len, sp, ring, levers, b)}
 
 
 # cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices)
@@ -162,14 +202,30 @@ def fits(est: dict, gpu_mem: float, host_mem: float) -> bool:
     return est["gpu_total"] <= 0.95 * gpu_mem and est["host_total"] <= host_mem
 
 
+def sp_plans(g: dict, gpus: int, sp: Optional[int] = None, ring: Optional[int] = None) -> list[tuple[int, int]]:
+    """(sp, ring) for each SP size the planner may try (only `sp` if given), smallest first: the ring `ring`, or by
+    default the one --ring_size auto chooses (none where the heads allow a pure Ulysses split)."""
+    plans = []
+    for size in [sp] if sp else range(1, gpus + 1):
+        size_ring = ring or resolve_ring_size("auto", size, g["heads"], g["kv"])
+        try:
+            validate(gpus, size, g["heads"], g["kv"], ring_size=size_ring)
+        except ConfigError:
+            continue
+        plans.append((size, size_ring))
+    return plans
+
+
 def plan(g: dict, seq_len: int, gpus: int, sp_sizes, gpu_mem: float, host_mem: float,
          ds_choices: Optional[dict] = None) -> tuple:
-    """The smallest SP size and the cheapest rung of the ladder that fit: (sp, levers, estimate, everything tried)."""
+    """The smallest SP size and the cheapest rung of the ladder that fit: (sp, levers, estimate, everything tried).
+    `sp_sizes`: SP sizes, or (sp, ring) pairs (sp_plans); the estimate holds the ring as `ring_size`."""
     tried = []
     zero_stage = (ds_choices or {}).get("zero_stage", 3)
-    for sp in sp_sizes:
+    for entry in sp_sizes:
+        sp, ring = entry if isinstance(entry, tuple) else (entry, 1)
         for levers in _ladder(g, seq_len, gpus, sp, gpu_mem, host_mem, ds_choices):
-            est = estimate(g, seq_len, gpus, sp, levers, zero_stage=zero_stage)
+            est = estimate(g, seq_len, gpus, sp, levers, zero_stage=zero_stage, ring=ring)
             tried.append((sp, levers, est, fits(est, gpu_mem, host_mem)))
             if tried[-1][3]:
                 return sp, levers, est, tried
@@ -201,16 +257,24 @@ def default_sp_size(gpus: int) -> int:
 
 
 def default_flags(g: dict, seq_len: int, gpus: int, sp: Optional[int], gpu_mem: float, host_mem: float,
-                  ds_choices: Optional[dict]) -> str:
-    """What the trainer does with the default lever flags, and whether that fits."""
-    sp = sp or default_sp_size(gpus)
-    if not valid_sp_sizes(gpus, g["heads"], g["kv"], sp):
-        return f"with the default flags: --sp_size {sp} does not suit {g['heads']} heads / {g['kv']} KV heads"
+                  ds_choices: Optional[dict], ring: Optional[int] = None) -> str:
+    """What the trainer does with the default lever flags (and --ring_size 1 unless `ring` is given), and whether
+    that fits."""
+    sp, ring = sp or default_sp_size(gpus), ring or 1
+    if not valid_sp_sizes(gpus, g["heads"], g["kv"], sp) and ring == 1:
+        auto = resolve_ring_size("auto", sp, g["heads"], g["kv"])
+        return (f"with the default flags: --sp_size {sp} does not suit {g['heads']} heads / {g['kv']} KV heads "
+                f"without a ring (--ring_size {auto}, or auto)")
     levers = levers_for(LeverRequest(), g, seq_len, gpus, sp, gpu_mem, host_mem, ds_choices)
-    est = estimate(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3))
+    est = estimate(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3), ring=ring)
     verdict = "fits" if fits(est, gpu_mem, host_mem) else "does not fit"
-    return (f"with the default flags (--sp_size {sp}): {levers.flags()}, fused kernels {levers.fused_kernels}: "
-            f"{est['gpu_total'] / GiB:.1f} GiB per GPU, {est['host_total'] / GiB:.1f} GiB host: {verdict}")
+    return (f"with the default flags (--sp_size {sp}{ring_flag(ring)}): {levers.flags()}, fused kernels "
+            f"{levers.fused_kernels}: {est['gpu_total'] / GiB:.1f} GiB per GPU, {est['host_total'] / GiB:.1f} GiB "
+            f"host: {verdict}")
+
+
+def ring_flag(ring: int) -> str:
+    return f" --ring_size {ring}" if ring > 1 else ""
 
 
 def _table(rows) -> str:
@@ -238,6 +302,8 @@ def check_numbers(a: argparse.Namespace) -> None:
         if a.gpus % a.sp_size:
             raise ConfigError(f"--sp_size {a.sp_size} does not divide --gpus {a.gpus}: choose a divisor of {a.gpus} "
                               f"(the remaining factor is data parallel)")
+    if a.ring_size is not None and (a.sp_size is None or a.sp_size % a.ring_size):
+        raise ConfigError(f"--ring_size {a.ring_size} needs an --sp_size it divides")
 
 
 def main(argv=None) -> int:
@@ -262,6 +328,8 @@ def _main(argv=None) -> int:
                    help="instead of --seq_len: find the longest sequence (a multiple of 8192) that fits, and plan it")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--sp_size", type=int, default=None)
+    p.add_argument("--ring_size", default="auto",
+                   help="a number, or auto (default): a ring only where the heads forbid a pure Ulysses split")
     p.add_argument("--gpu_mem_gib", type=float, default=139.7, help="default: an H200")
     p.add_argument("--host_mem_gib", type=float, default=125.0, help="per host")
     p.add_argument("--ds_config", default=None,
@@ -271,11 +339,13 @@ def _main(argv=None) -> int:
     a = p.parse_args(argv)
     if not a.longest and a.seq_len is None:
         p.error("give --seq_len N, or --longest")
+    a.ring_size = None if a.ring_size == "auto" else ring_size_number(a.ring_size)
     check_numbers(a)
     g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
     if a.sp_size:
-        check_heads(a.sp_size, g["heads"], g["kv"])
-    sizes = valid_sp_sizes(a.gpus, g["heads"], g["kv"], a.sp_size)
+        check_heads(a.sp_size, g["heads"], g["kv"],
+                    a.ring_size or resolve_ring_size("auto", a.sp_size, g["heads"], g["kv"]))
+    sizes = sp_plans(g, a.gpus, a.sp_size, a.ring_size)
     ds_choices = ds_config_choices(a.ds_config) if a.ds_config else None
     if a.longest:
         a.seq_len = longest_fit(g, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices)
@@ -286,11 +356,12 @@ def _main(argv=None) -> int:
     sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
                                   ds_choices)
     if a.json:
-        print(json.dumps({"sp_size": sp, "levers": levers and levers.flags(a.ds_config), "estimate": est},
-                         default=str))
+        print(json.dumps({"sp_size": sp, "ring_size": est and est["ring_size"],
+                          "levers": levers and levers.flags(a.ds_config), "estimate": est}, default=str))
         return 0 if sp else 1
     print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
-    print(default_flags(g, a.seq_len, a.gpus, a.sp_size, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices))
+    print(default_flags(g, a.seq_len, a.gpus, a.sp_size, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices,
+                        a.ring_size))
     if sp is None:
         sp_last, lev_last, worst, _ = tried[-1]
         print(f"nothing fits: with every lever and --sp_size {sp_last}, {worst['gpu_total'] / GiB:.1f} GiB per GPU "
@@ -298,11 +369,14 @@ def _main(argv=None) -> int:
         print(_table(_gpu_rows(worst, lev_last)))
         print("use more GPUs, a shorter --seq_len, or fewer layers")
         return 1
-    print(f"fits with --sp_size {sp} {levers.flags(a.ds_config)}  ({est['tokens_per_rank']:,} tokens per rank)")
+    print(f"fits with --sp_size {sp}{ring_flag(est['ring_size'])} {levers.flags(a.ds_config)}  "
+          f"({est['tokens_per_rank']:,} tokens per rank)")
     print("per GPU:")
     print(_table(_gpu_rows(est, levers) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
     print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")
     print(_table(list(est["host"].items()) + [("total", est["host_total"])]))
+    print("sent per sequence and rank:")
+    print(_table(est["sent_per_sequence"].items()))
     return 0
 
 

@@ -45,6 +45,10 @@ class TrainConfig:
     # ---- parallelism ----
     sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
                                       "world size; the rest is data parallel. Default: the ranks on one node.")
+    ring_size: str = _f("1", "Ring attention degree inside each SP group: --sp_size ranks run as Ulysses (sp / ring "
+                             "consecutive ranks split the heads) x ring (K/V blocks passed around, zigzag balanced, "
+                             "exact, packing kept). A ring lifts the head-count limit (28 heads at --sp_size 8: "
+                             "--ring_size 2). auto: the largest Ulysses degree the heads allow.")
     # ---- data ----
     dataset: Optional[str] = _f(None, "Training text: a hub id (datasets.load_dataset) or a local file/folder of .txt "
                                       "(one file = one document), .jsonl/.json, .parquet, .arrow, or a save_to_disk "
@@ -199,6 +203,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")
+        ring_size_number(self.ring_size)
         if self.profile_memory < 0 or self.profile_memory > self.steps:
             raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
         from .tracking import parse_report_to
@@ -265,9 +270,23 @@ FREE_SETTINGS = frozenset({
     "overwrite_output_dir", "log_every", "tensorboard", "profile_memory", "num_proc", "data_cache_dir", "verify",
     "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
     "eval_dataset", "eval_split", "eval_steps", "eval_samples",
+    "ring_size",  # the same attention, split another way
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "attn_recompute", "tiled_mlp", "mlp_tile_tokens",
     "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size", "loss_kernel"})
+
+
+def ring_size_number(value: str) -> Optional[int]:
+    """--ring_size as typed: a positive number, or None for auto (resolved against the heads: sp/dims.py)."""
+    if str(value) == "auto":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"--ring_size must be a positive number or auto, got {value}")
+    return number
 
 
 def _str2bool(value: str) -> bool:

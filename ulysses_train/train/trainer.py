@@ -36,7 +36,7 @@ from ..sp.attention import register_ulysses_attention
 from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
 from ..sp.kernels import resolve_kernel
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig, write_resolved_config
+from .config import TrainConfig, ring_size_number, write_resolved_config
 from .resume import apply_schedule, plan_run, training_settings
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
@@ -103,8 +103,10 @@ class Trainer:
         self.lock = self._lock_output_dir()
         self.watchdog = Watchdog(self.rank, self.world, cfg.dist_timeout, self.stop.request, exit_now).start()
         sp_size = cfg.sp_size or math.gcd(local_world_size(), self.world)
+        heads = attention_heads(self.model_config)
+        ring_size = dims.resolve_ring_size(ring_size_number(cfg.ring_size) or "auto", sp_size, *heads)
         lengths = {"seq_len": cfg.seq_len, **({"verify_seq_len": self.seq_len} if cfg.verify else {})}
-        parallel = dims.validate(self.world, sp_size, *attention_heads(self.model_config), lengths, cfg.pad_to_sp)
+        parallel = dims.validate(self.world, sp_size, *heads, lengths, cfg.pad_to_sp, ring_size)
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -124,13 +126,13 @@ class Trainer:
         self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds, self.rank,
                              self.log, self.warn)
 
-        self.groups = SequenceParallelGroups(sp_size)
+        self.groups = SequenceParallelGroups(sp_size, ring_size)
         self.tokenizer, self.source = self._prepare_data()
         self.eval_source = None
         if cfg.eval_dataset and not cfg.verify:
             self.eval_source = load_source(cfg, cfg.eval_dataset, cfg.eval_split or cfg.dataset_split, self.seq_len,
                                            self.model_config.vocab_size, self.rank, self.log, "eval_dataset")[1]
-        self.attention = register_ulysses_attention(self.groups.sp_group, self.kernel)
+        self.attention = register_ulysses_attention(self.groups.ulysses_group, self.kernel, self.groups.ring_group)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
         self.module = CausalLMWithSPLoss(self._build_model())
@@ -141,7 +143,7 @@ class Trainer:
         after_engine = restore_fp32_buffers(self.module, self.dtype)
         if after_engine.restored:
             self.log(f"buffers after deepspeed.initialize and resume: {after_engine.describe()}")
-        self.log(f"world {self.world} = dp {parallel.dp_size} x sp {sp_size} | kernel {self.kernel} | dtype "
+        self.log(f"world {self.world} = dp {parallel.dp_size} x sp {self.describe_sp()} | kernel {self.kernel} | dtype "
                  f"{self.dtype} | micro {self.micro} x accum {self.accum} | seq_len {self.seq_len} | "
                  f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.module.parameters()) / 1e6:.1f}M params | "
                  f"{self.model_config.num_hidden_layers} layers | {self.describe_levers()} | rope {self.rope} | "
@@ -259,10 +261,14 @@ class Trainer:
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}")
 
+    def describe_sp(self) -> str:
+        g = self.groups
+        return str(g.sp_size) if g.ring_size == 1 else f"{g.sp_size} (Ulysses {g.ulysses_size} x ring {g.ring_size})"
+
     def describe_setup(self) -> str:
         """One line naming what makes this run's numbers: parallel sizes, ZeRO stage, kernel and levers."""
         zero = self.ds["zero_optimization"].get("stage", 0)
-        return (f"ZeRO-{zero}, sp {self.groups.sp_size} x dp {self.groups.dp_size}, kernel {self.kernel}, "
+        return (f"ZeRO-{zero}, sp {self.describe_sp()} x dp {self.groups.dp_size}, kernel {self.kernel}, "
                 f"{self.describe_levers().replace(' | ', ', ')}")
 
     def micro_batch(self, step: int, micro_step: int, dp_rank: Optional[int] = None) -> dict:
