@@ -22,6 +22,7 @@ from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_by
     resolve_levers
 from ..model.geometry import geometry
 from ..sp.dims import check_heads, valid_sp_sizes
+from .layer_activations import kept_layer_bytes
 from ..train.ds_config import lever_choices, load_ds_config
 
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -63,8 +64,11 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
         gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
     gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
-    checkpoints = checkpoint_bytes(g, t, b) if levers.checkpointing else 0
-    kept = kept_attention_bytes(g, t, b) if levers.keep_attention else 0
+    share = levers.checkpointed(g["layers"]) / g["layers"]  # checkpointed layers save inputs and kept outputs
+    checkpoints = checkpoint_bytes(g, t, b) * share
+    kept = kept_attention_bytes(g, t, b) * share if levers.keep_attention else 0
+    # the other layers keep their activations (the last ones: freed by their backward before any recompute starts)
+    whole_layers = (g["layers"] - levers.checkpointed(g["layers"])) * kept_layer_bytes(g, t, b, levers, sp)
     # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
     norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
     units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
@@ -81,8 +85,12 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     on_gpu_kept = 0 if levers.offload_activations else kept  # the offload takes the kept outputs too
     gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
            "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
-    # the loss runs at the end of the forward, the layer working set in the backward: never both at once
-    transient = max(layer + a2a, loss)
+    if whole_layers:
+        gpu["uncheckpointed layers"] = whole_layers
+    # the loss runs at the end of the forward, the layer working set in the backward: never both at once. The
+    # uncheckpointed layers' activations are all alive at the loss; counted with a whole layer working set on top
+    # (their own backward needs less: conservative until measured)
+    transient = max(layer + a2a, loss) + whole_layers
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
@@ -110,6 +118,16 @@ def ds_config_choices(path: str) -> dict:
     return lever_choices(load_ds_config(path))
 
 
+def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
+            micro: int = 1, act_bytes: int = 2):
+    """Whether given levers fit this run on this machine: what `--checkpoint_layers auto` asks (the trainer and the
+    planner pass it to the policy)."""
+    def fits_levers(levers: Levers) -> bool:
+        est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes)
+        return fits(est, gpu_mem, host_mem)
+    return fits_levers
+
+
 def planned_device(gpus: int, gpu_mem: float, host_mem: float) -> DeviceInfo:
     return DeviceInfo.gpu(gpu_mem / GiB, host_mem / GiB, local_ranks=min(gpus, 8))
 
@@ -117,8 +135,9 @@ def planned_device(gpus: int, gpu_mem: float, host_mem: float) -> DeviceInfo:
 def levers_for(request: LeverRequest, g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
                ds_choices: Optional[dict] = None, micro: int = 1) -> Levers:
     """What the trainer would resolve for these flags on the planned machine (the same policy call)."""
+    zero_stage = (ds_choices or {}).get("zero_stage", 3)
     return resolve_levers(request, g, micro * math.ceil(seq_len / sp), 2, planned_device(gpus, gpu_mem, host_mem),
-                          ds_choices)
+                          ds_choices, fits_on(g, seq_len, gpus, sp, gpu_mem, host_mem, zero_stage, micro))
 
 
 def _ladder(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
