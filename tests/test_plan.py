@@ -15,10 +15,11 @@ def sp_sizes(g: dict, gpus: int) -> list[int]:
     return valid_sp_sizes(gpus, g["heads"], g["kv"])
 
 
-def test_geometry_counts_the_parameters_of_the_real_model():
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_geometry_counts_the_parameters_of_the_real_model(family):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config("qwen3")
+    config = tiny_config(family)
     model = AutoModelForCausalLM.from_config(config)
     assert geometry(config)["params"] == sum(p.numel() for p in model.parameters())
 

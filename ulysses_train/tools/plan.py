@@ -1,7 +1,9 @@
-"""Memory planner: will this run fit, which levers does it need, how many GPUs?
+"""Planner: will this run fit, which levers does it need, how many GPUs, how long will a step take?
 
     python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ds_config F]
     python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
+    python -m ulysses_train.plan --gpus 8 [--fastest] -- <flags of launch/train.py>   # that run (tools/plan_command.py)
+    python -m ulysses_train.plan --calibrate FILE        # measure this machine's time constants (tools/calibrate.py)
 
 Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
 the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
@@ -208,6 +210,18 @@ def default_flags(g: dict, seq_len: int, gpus: int, sp: Optional[int], gpu_mem: 
             f"{est['gpu_total'] / GiB:.1f} GiB per GPU, {est['host_total'] / GiB:.1f} GiB host: {verdict}")
 
 
+def predicted_time(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, ds_choices: Optional[dict],
+                   constants: Optional[str]) -> str:
+    """One line: the time model's step time for this plan (tools/time_model.py; FlashAttention-4)."""
+    from .time_model import Constants, Run, step_time
+
+    run = Run(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3))
+    t = step_time(run, Constants.load(constants))
+    return (f"predicted step time {t['total']:.1f} s with FlashAttention-4 (attention {t['parts']['attention']:.1f} "
+            f"s, communication {100 * t['communication_share']:.1f}%; the fastest plan: add -- <train flags> "
+            f"--fastest)")
+
+
 def _table(rows) -> str:
     return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
 
@@ -242,6 +256,10 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     from ..model.build import load_model_config
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_argv = None
+    if "--" in argv:  # a command: the flags of launch/train.py after the planner's own (tools/plan_command.py)
+        argv, train_argv = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     p = argparse.ArgumentParser(prog="python -m ulysses_train.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_config", default=None)
@@ -258,9 +276,30 @@ def _main(argv=None) -> int:
                    help="a DeepSpeed JSON: its ZeRO stage and optimizer precision/offload are used as given "
                         "(default: ZeRO-3, and the planner picks the optimizer states)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--fastest", action="store_true",
+                   help="with a command (-- <flags>): search SP size, levers, checkpointed layers and micro-batch "
+                        "for the least time per sequence that fits on --gpus, and print the fastest plans")
+    p.add_argument("--constants", default=None, metavar="FILE",
+                   help="the time model's constants (a --calibrate file); default: the H200's")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="measure this machine's constants (matmul, attention kernel, host copies; all-to-all under "
+                        "torchrun) into FILE, and exit")
     a = p.parse_args(argv)
+    if a.calibrate:
+        from .calibrate import calibrate
+
+        calibrate(a.calibrate)
+        return 0
+    if train_argv is not None:
+        from . import plan_command
+
+        a.seq_len = a.seq_len or 1  # the command gives the length
+        check_numbers(a)
+        return plan_command.main(a, train_argv)
+    if a.fastest:
+        p.error("--fastest plans a command: give the flags of launch/train.py after --")
     if not a.longest and a.seq_len is None:
-        p.error("give --seq_len N, or --longest")
+        p.error("give --seq_len N, or --longest (or a command after --)")
     check_numbers(a)
     g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
     if a.sp_size:
@@ -289,6 +328,7 @@ def _main(argv=None) -> int:
         print("use more GPUs, a shorter --seq_len, or fewer layers")
         return 1
     print(f"fits with --sp_size {sp} {levers.flags(a.ds_config)}  ({est['tokens_per_rank']:,} tokens per rank)")
+    print(predicted_time(g, a.seq_len, a.gpus, sp, levers, ds_choices, a.constants))
     print("per GPU:")
     print(_table(list(est["gpu"].items()) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
     print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")
