@@ -116,7 +116,7 @@ def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[in
                 time["total"] / sequences)
 
 
-def candidates(c: Command, machine: Machine):
+def candidates(c: Command, machine: Machine, sp_sizes: Optional[list[int]] = None):
     """(sp, micro, lever request, DeepSpeed choices) of the search: every SP size the model's heads and the length
     allow, micro-batches dividing micro x accumulation, kept attention or not, offload or not, tiled MLP or not (a
     MoE has no dense MLP to tile), the optimizer on the GPU or (fp32 states) on the CPU."""
@@ -125,7 +125,7 @@ def candidates(c: Command, machine: Machine):
     optimizers = [{"offload_optimizer": False}] + ([] if c.ds_choices["bf16_states"]
                                                    else [{"offload_optimizer": True}])
     tiling = ("off",) if c.g["experts"] else ("off", "on")
-    for sp in dims.valid_sp_sizes(machine.gpus, heads, kv):
+    for sp in sp_sizes or dims.valid_sp_sizes(machine.gpus, heads, kv):
         if c.cfg.seq_len % sp and not c.cfg.pad_to_sp:
             continue
         for micro in (m for m in range(1, batch + 1) if batch % m == 0):
@@ -139,11 +139,11 @@ def candidates(c: Command, machine: Machine):
                             yield sp, micro, request, {**c.ds_choices, **optimizer}
 
 
-def fastest(c: Command, machine: Machine, constants: Constants) -> list[Plan]:
-    """Every candidate with the fewest checkpointed layers that fit (the fastest of its kind: each layer not
-    checkpointed saves its recompute), the ones that fit sorted by time per sequence."""
+def fastest(c: Command, machine: Machine, constants: Constants, sp_sizes: Optional[list[int]] = None) -> list[Plan]:
+    """Every candidate (of these SP sizes; default: all) with the fewest checkpointed layers that fit (the fastest
+    of its kind: each layer not checkpointed saves its recompute), the ones that fit sorted by time per sequence."""
     plans, seen = [], set()
-    for sp, micro, request, choices in candidates(c, machine):
+    for sp, micro, request, choices in candidates(c, machine, sp_sizes):
         fits_here = fits_on(c.g, c.cfg.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
                             micro, c.act_bytes)
         levers = resolve_levers(request, c.g, micro * math.ceil(c.cfg.seq_len / sp), c.act_bytes, machine.device(),
@@ -197,8 +197,9 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
 
 def main(plan_args, train_argv: list[str]) -> int:
     """`plan [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit."""
-    machine = Machine(plan_args.gpus, plan_args.gpu_mem_gib * GiB, plan_args.host_mem_gib * GiB)
     constants = Constants.load(plan_args.constants)
+    machine = Machine(plan_args.gpus, plan_args.gpu_mem_gib * GiB, plan_args.host_mem_gib * GiB,
+                      constants.gpus_per_node)
     c = command(train_argv, machine)
     print(report(evaluate(c, machine, constants), c, machine))
     if not plan_args.fastest:
