@@ -109,7 +109,7 @@ def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[in
     memory = estimate(c.g, micro * cfg.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.loss_chunk_size,
                       tile_tokens=cfg.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes)
     run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage,
-              act_bytes=c.act_bytes, tile_tokens=cfg.mlp_tile_tokens)
+              act_bytes=c.act_bytes)
     time = step_time(run, constants)
     sequences = machine.gpus // sp * micro * accum
     return Plan(sp, micro, accum, levers, memory, time, fits(memory, machine.gpu_mem, machine.host_mem),

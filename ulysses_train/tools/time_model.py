@@ -101,7 +101,7 @@ class Constants:
     step where the ops alone differ by 2.04 s (docs/benchmarks.md); fitted on the eager steps."""
     hbm_tb_s: float = 3.0
     """Bandwidth of plain copies and adds (residual adds, the all-to-all's layout copies, k and v copied to every
-    head), TB/s; H200 HBM3e is 4.8 peak."""
+    head, a MoE's token gathers), TB/s; H200 HBM3e is 4.8 peak."""
     adam_gb_s: float = 660.0
     """DeepSpeed's fused Adam on the GPU, bytes of states read and written per second (14 bytes per parameter with
     bf16 states, 28 with fp32 masters): 0.085 s for the 4.0B parameters of Qwen3-4B with bf16 states."""
@@ -163,7 +163,6 @@ class Run:
     zero_stage: int = 3
     docs: Optional[tuple] = None  # per sequence of a micro-batch, its packed documents' lengths; None: one each
     act_bytes: int = 2
-    tile_tokens: int = 16384
 
 
 def _attention_flops(run: Run) -> float:
@@ -178,68 +177,80 @@ def _collective_gb_s(ranks: int, c: Constants) -> float:
     return c.nvlink_gb_s if ranks <= c.gpus_per_node else c.network_gb_s
 
 
-def _layer(run: Run, c: Constants, checkpointed: bool) -> dict:
-    """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
-    the overlapped copies and collectives."""
-    g, lv = run.g, run.levers
-    t = run.micro * math.ceil(run.seq_len / run.sp)
-    b = run.act_bytes
-    rate = c.matmul_tflops * 1e12
-    moe_rate = rate * (c.moe_matmul_efficiency if g["experts"] else 1.0)
-    attn_params = g["matmul_params"] - g["mlp_matmul_params"]
-    mlp_fwd = 2 * t * g["mlp_matmul_params"] / moe_rate
-    linear_fwd = 2 * t * attn_params / rate + mlp_fwd
-    attn_rates = c.attention[run.kernel]
-    attn_flops = _attention_flops(run)
-    attn_fwd, attn_bwd = attn_flops / (attn_rates.fwd * 1e12), 2.5 * attn_flops / (attn_rates.bwd * 1e12)
-    # elementwise: our fused kernels replace the norms and rotary everywhere and the SwiGLU of dense MLPs
-    fused, eager = c.fused, c.eager
-    norm_w = 2 * g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"]
+@dataclass(frozen=True)
+class _Pass:
+    """Seconds of one layer's work on one rank, per pass: what the forward, the recompute and the backward add up."""
+
+    linear_fwd: float  # the linear layers' forward (the backward is twice it)
+    mlp_fwd: float  # its MLP part (the tiled MLP runs it once more in the backward)
+    attn_fwd: float
+    attn_bwd: float
+    elem_fwd: float  # norms, rotary, SwiGLU, residual adds and copies
+    elem_bwd: float
+    swiglu_fwd: float  # its SwiGLU part
+    a2a: float  # the Ulysses all-to-all of one pass, with its layout copies
+
+
+def _elementwise(run: Run, c: Constants, t: int) -> tuple[float, float, float]:
+    """(forward, backward, SwiGLU forward) seconds of a layer's elementwise ops: our fused kernels replace the norms
+    and rotary everywhere and the SwiGLU of dense MLPs; the eager ops run at `eager_in_step` of their cost alone."""
+    g, lv, b = run.g, run.levers, run.act_bytes
+    eager = dataclasses.replace(c.eager, **{k: v * c.eager_in_step for k, v in dataclasses.asdict(c.eager).items()})
+    norm, rot, swi = (c.fused, c.fused, eager if g["experts"] else c.fused) if lv.fused_kernels else (eager,) * 3
+    norm_w = 2 * g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"]  # hidden twice; Qwen3's q, k
     rot_w, swi_w = g["attn_width"] + g["kv_width"], g["inter"]
-    ops = (fused, fused, eager if g["experts"] else fused) if lv.fused_kernels else (eager, eager, eager)
-    scale = [1.0 if e is fused else c.eager_in_step for e in ops]
-    norm, rot, swi = ops
-    elem_fwd = t * (norm_w * norm.norm_fwd * scale[0] + rot_w * rot.rotary_fwd * scale[1]
-                    + swi_w * swi.swiglu_fwd * scale[2])
-    elem_bwd = t * (norm_w * norm.norm_bwd * scale[0] + rot_w * rot.rotary_bwd * scale[1]
-                    + swi_w * swi.swiglu_bwd * scale[2])
     copies = 6 * t * g["hidden"] * b  # two residual adds: read two H-wide tensors, write one
     if not lv.gqa_native:  # k and v copied to every query head, and their gradients summed back
         copies += 2 * t * (g["attn_width"] - g["kv_width"]) * b
-    hbm = c.hbm_tb_s * 1e12
-    elem_fwd += copies / hbm
-    elem_bwd += copies / hbm
-    swi_extra = t * swi_w * swi.swiglu_fwd * scale[2]  # the tiled MLP's second forward
-    # Ulysses: q, k, v (KV heads replicated up to sp) out and the output back, each pass; plus the layout copies
+    if g["experts"]:  # each token's hidden state gathered for its experts and their outputs added back
+        copies += 2 * t * g["experts_per_token"] * g["hidden"] * b
+    copy_s = copies / (c.hbm_tb_s * 1e12)
+    fwd = t * (norm_w * norm.norm_fwd + rot_w * rot.rotary_fwd + swi_w * swi.swiglu_fwd) + copy_s
+    bwd = t * (norm_w * norm.norm_bwd + rot_w * rot.rotary_bwd + swi_w * swi.swiglu_bwd) + copy_s
+    return fwd, bwd, t * swi_w * swi.swiglu_fwd
+
+
+def _pass(run: Run, c: Constants) -> _Pass:
+    g, b = run.g, run.act_bytes
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    rate = c.matmul_tflops * 1e12
+    mlp_fwd = 2 * t * g["mlp_matmul_params"] / (rate * (c.moe_matmul_efficiency if g["experts"] else 1.0))
+    linear_fwd = 2 * t * (g["matmul_params"] - g["mlp_matmul_params"]) / rate + mlp_fwd
+    rates, flops = c.attention[run.kernel], _attention_flops(run)
+    elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t)
     a2a = 0.0
-    if run.sp > 1:
-        kv = max(g["kv"], run.sp) * g["head_dim"]
-        sent = t * (2 * g["attn_width"] + 2 * kv) * b
-        a2a = sent * (run.sp - 1) / run.sp / (_a2a_gb_s(run, c) * 1e9) + 2 * sent / hbm
-    forward = linear_fwd + attn_fwd + elem_fwd + a2a
-    recompute = (linear_fwd + (0 if lv.keep_attention else attn_fwd) + elem_fwd + a2a) if checkpointed else 0.0
-    tiled_extra = (mlp_fwd + swi_extra) if lv.tiled_mlp and not g["experts"] else 0.0
-    backward = 2 * linear_fwd + attn_bwd + elem_bwd + a2a + tiled_extra
-    # overlapped: the offload's copies of a checkpointed layer's input and kept outputs; ZeRO-3's gathers (forward,
-    # recompute, backward) and the gradients' reduce-scatter
+    if run.sp > 1:  # q, k, v (KV heads replicated up to sp) out, the output back
+        sent = t * (2 * g["attn_width"] + 2 * max(g["kv"], run.sp) * g["head_dim"]) * b
+        a2a = sent * (run.sp - 1) / run.sp / (_a2a_gb_s(run, c) * 1e9) + 2 * sent / (c.hbm_tb_s * 1e12)
+    return _Pass(linear_fwd, mlp_fwd, flops / (rates.fwd * 1e12), 2.5 * flops / (rates.bwd * 1e12), elem_fwd,
+                 elem_bwd, swiglu_fwd, a2a)
+
+
+def _layer(run: Run, c: Constants, p: _Pass, checkpointed: bool) -> dict:
+    """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
+    the overlapped copies and collectives."""
+    g, lv, b = run.g, run.levers, run.act_bytes
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
+    forward = p.linear_fwd + p.attn_fwd + p.elem_fwd + p.a2a
+    recompute = (p.linear_fwd + (0 if lv.keep_attention else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
+    backward = 2 * p.linear_fwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled else 0)
+    # overlapped: the offload's copies of a checkpointed layer's input and kept outputs (out in the forward, back in
+    # the backward); ZeRO-3's gathers (forward, recompute, backward) and the gradients' reduce-scatter
     host = 0.0
     if lv.offload_activations and checkpointed:
         per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
         saved = t * g["hidden"] * b + (t * (g["attn_width"] * b + g["heads"] * 4) if lv.keep_attention else 0)
         host = saved / per_gpu
-    gather = 0.0
-    if run.zero_stage == 3 and run.gpus > 1:
-        gather = 2 * g["layer_params"] * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
-    reduce = 0.0
-    if run.gpus > 1:
-        reduce = 2 * g["layer_params"] * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
-    fwd_wall = max(forward, host, gather)
-    bwd_wall = max(recompute + backward, host, gather * (2 if checkpointed else 1) + reduce)
-    tiled = bool(tiled_extra)
-    return {"matmul": linear_fwd * (4 if checkpointed else 3) + (mlp_fwd if tiled else 0),
-            "attention": attn_fwd * (2 if checkpointed and not lv.keep_attention else 1) + attn_bwd,
-            "elementwise": elem_fwd * (2 if checkpointed else 1) + elem_bwd + (swi_extra if tiled else 0),
-            "all-to-all": a2a * (3 if checkpointed else 2), "forward": fwd_wall, "backward": bwd_wall,
+    share = 2 * g["layer_params"] * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
+    gather = share if run.zero_stage == 3 else 0.0
+    reduce = share if run.zero_stage >= 2 else 0.0
+    return {"matmul": p.linear_fwd * (4 if checkpointed else 3) + (p.mlp_fwd if tiled else 0),
+            "attention": p.attn_fwd * (2 if checkpointed and not lv.keep_attention else 1) + p.attn_bwd,
+            "elementwise": p.elem_fwd * (2 if checkpointed else 1) + p.elem_bwd + (p.swiglu_fwd if tiled else 0),
+            "all-to-all": p.a2a * (3 if checkpointed else 2),
+            "forward": max(forward, host, gather),
+            "backward": max(recompute + backward, host, gather * (2 if checkpointed else 1) + reduce),
             "host copies": 2 * host, "zero-3": gather * (3 if checkpointed else 2) + reduce}
 
 
@@ -267,8 +278,8 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     """Seconds of one optimizer step: `total`, and per part (compute seconds of each kind; `exposed` copies and
     collectives, what they add beyond the compute they overlap)."""
     g, lv = run.g, run.levers
-    n_ckpt = lv.checkpointed(g["layers"])
-    layers = [(n_ckpt, _layer(run, c, True)), (g["layers"] - n_ckpt, _layer(run, c, False))]
+    n_ckpt, p = lv.checkpointed(g["layers"]), _pass(run, c)
+    layers = [(n_ckpt, _layer(run, c, p, True)), (g["layers"] - n_ckpt, _layer(run, c, p, False))]
     t = run.micro * math.ceil(run.seq_len / run.sp)
     loss = 6 * t * g["vocab"] * g["hidden"] / (c.loss_tflops * 1e12)
     parts = {k: 0.0 for k in ("matmul", "attention", "elementwise", "all-to-all")}
