@@ -83,15 +83,20 @@ def main() -> None:
         done = subprocess.run(cmd, cwd=ROOT)
         ok = done.returncode == 0 and os.path.exists(path)
         rows.append((label, layers, seconds, gib, json.load(open(path)) if ok else f"failed (exit {done.returncode})"))
+        print(f"{label}: done at {time.time() - start:.0f} s: " + (_row(*rows[-1]) if ok else rows[-1][-1]), flush=True)
     print("\n| run | checkpointed | measured s/step | predicted s | peak GPU GiB | planner GiB | host peak GiB |")
     print("|---|---|---|---|---|---|---|")
-    for label, layers, seconds, gib, r in rows:
-        if isinstance(r, str):
-            print(f"| {label} | {layers}/36 | {r} | {seconds:.2f} | | {gib:.1f} | |")
-            continue
-        ran = r["levers"].get("checkpoint_layers") or 36
-        print(f"| {label} | {ran}/36 | {r['median_step_s']:.2f} | {seconds:.2f} | {r['peak_gpu_gib']:.2f} | "
-              f"{gib:.1f} | {r['host_peak_gib']:.1f} |")
+    for row in rows:
+        print(_row(*row))
+
+
+def _row(label: str, layers: int, seconds: float, gib: float, r) -> str:
+    """A table row: the run's checkpointed layers (as the trainer resolved them), measured and predicted."""
+    if isinstance(r, str):
+        return f"| {label} | {layers}/36 (planned) | {r} | {seconds:.2f} | | {gib:.1f} | |"
+    ran = r["levers"].get("checkpoint_layers") or 36
+    return (f"| {label} | {ran}/36 | {r['median_step_s']:.2f} | {seconds:.2f} | {r['peak_gpu_gib']:.2f} | "
+            f"{gib:.1f} | {r['host_peak_gib']:.1f} |")
 
 
 if __name__ == "__main__":
