@@ -198,6 +198,10 @@ def test_attention_kernel_choice(monkeypatch):
     (["--weight_decay=-1"], "--weight_decay must be >= 0, got -1.0"),
     (["--max_grad_norm=-inf"], "--max_grad_norm must be a finite number, got -inf"),
     (["--rope_factor", "nan"], "--rope_factor must be a finite number, got nan"),
+    (["--checkpoint_layers=-1"], "--checkpoint_layers must be all, auto or a number of layers >= 0, got '-1'"),
+    (["--checkpoint_layers", "half"], "--checkpoint_layers must be all, auto or a number of layers >= 0"),
+    (["--checkpoint_layers", "4", "--gradient_checkpointing", "false"],
+     "--checkpoint_layers 4 needs --gradient_checkpointing true"),
 ])
 def test_validate_rejects_non_finite_and_out_of_range_floats(argv, message):
     cfg, _ = parse_args(argv)

@@ -27,7 +27,8 @@ class CountAttention(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False, kernel="sdpa"):
+def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False, kernel="sdpa",
+          checkpoint_layers=None):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -49,7 +50,7 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     model.train()
     hooks = HostOffload(min_bytes=0) if offload else None
     if checkpoint:
-        enable_checkpointing(model, keep_attention, offload=hooks)
+        enable_checkpointing(model, keep_attention, offload=hooks, layers=checkpoint_layers)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
         from ulysses_train.model.surgery import install_fused_mlp, install_fused_rotary
@@ -104,6 +105,25 @@ def test_levers_do_not_change_loss_or_gradients(sp):
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert offloaded[False, True] >= layers * layer_input  # every checkpointed layer's input went out
     assert offloaded[True, True] >= offloaded[False, True] + layers * attention_out  # and every kept output
+
+
+def test_partial_checkpointing_is_exact_and_checkpoints_only_the_first_layers():
+    """`--checkpoint_layers N`: with N of the layers checkpointed (kept attention outputs offloaded, and plain
+    recompute) the loss and every gradient equal those of full checkpointing and of none; only the first N layers
+    recompute (the attention kernel runs layers + N times without kept outputs) and offload (N layers' bytes)."""
+    layers = tiny_config("qwen3").num_hidden_layers
+    assert layers == 2  # so that 1 is partial
+    base_loss, base_grads, base_calls, _ = _step(0, 1, False, "fused", False)  # no checkpointing
+    offloaded = {}
+    for keep in (True, False):
+        for n in (0, 1, layers):
+            loss, grads, calls, offloaded[keep, n] = _step(0, 1, keep, "fused", True, False, True, False, "sdpa", n)
+            assert calls == base_calls + (0 if keep else n), (keep, n)
+            assert loss == pytest.approx(base_loss, rel=1e-6), (keep, n)
+            for name, ref in base_grads.items():
+                torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        assert offloaded[keep, 0] == 0 and offloaded[keep, layers] == layers * offloaded[keep, 1] > 0
+    assert offloaded[True, 1] > offloaded[False, 1]  # the kept outputs of the checkpointed layer went out too
 
 
 @pytest.mark.skipif(not triton_importable(), reason="needs Triton (pip install triton): its interpreter runs the "

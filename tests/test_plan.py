@@ -15,10 +15,11 @@ def sp_sizes(g: dict, gpus: int) -> list[int]:
     return valid_sp_sizes(gpus, g["heads"], g["kv"])
 
 
-def test_geometry_counts_the_parameters_of_the_real_model():
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_geometry_counts_the_parameters_of_the_real_model(family):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config("qwen3")
+    config = tiny_config(family)
     model = AutoModelForCausalLM.from_config(config)
     assert geometry(config)["params"] == sum(p.numel() for p in model.parameters())
 
@@ -253,3 +254,62 @@ def test_planner_proposes_a_ring_where_heads_forbid_ulysses(tmp_path, capsys):
     assert main(["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--gpus", "8",
                  "--sp_size", "8", "--ring_size", "1"]) == 2
     assert "--sp_size 8 must divide the model's 28 attention heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lean, tiled", [(True, False), (False, False), (True, True)])
+def test_uncheckpointed_layer_bytes_match_cpu_allocations(lean, tiled):
+    """What a layer that is not checkpointed (`--checkpoint_layers`) leaves alive for its backward, counted at every
+    allocation on CPU (fp32, SDPA), equals tools/layer_activations.py's count, with and without the lean norms and
+    the tiled MLP: the planner's memory for the layers it does not checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.surgery import enable_tiled_mlp, install_lean_norms
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.tools.layer_activations import kept_layer_bytes
+    from ulysses_train.train.memory_profile import MemoryTimeline
+
+    config = tiny_config("qwen3")
+    register_ulysses_attention(None, "sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses").train()
+    if lean:
+        install_lean_norms(model)
+    if tiled:
+        enable_tiled_mlp(model, tile_tokens=100)
+    decoder = model.get_decoder()
+    alive, outputs = {}, []
+    for t in (256, 512):
+        x = torch.randn(1, t, config.hidden_size, requires_grad=True)
+        positions = torch.arange(t)[None]
+        rotary = decoder.rotary_emb(x, positions)
+        with MemoryTimeline("cpu") as tracker:
+            h = x
+            for layer in decoder.layers:  # the last layer's output stands for the next layer's input
+                h = layer(h, position_embeddings=rotary, position_ids=positions)
+                h = h[0] if isinstance(h, tuple) else h
+            alive[t] = tracker.live_bytes()
+        outputs.append(h)
+    per_token = (alive[512] - alive[256]) / 256 / config.num_hidden_layers
+    planned = kept_layer_bytes(geometry(config), 1, 4, Levers(lean_norm=lean, tiled_mlp=tiled))
+    assert per_token == pytest.approx(planned, rel=0.02)
+
+
+def test_partial_checkpointing_by_hand():
+    """`--checkpoint_layers 1` of 2: half the checkpoints and kept outputs, and one layer's activations on the GPU
+    with the transient on top of them; 0: none checkpointed."""
+    from ulysses_train.tools.layer_activations import kept_layer_bytes
+
+    g = geometry(tiny_config("qwen3"))
+    full = estimate(g, 1024, 1, 1, Levers())
+    half = estimate(g, 1024, 1, 1, Levers(checkpoint_layers=1))
+    none = estimate(g, 1024, 1, 1, Levers(checkpointing=False, keep_attention=False))
+    layer = kept_layer_bytes(g, 1024, 2, Levers())
+    assert half["gpu"]["checkpoints"] == full["gpu"]["checkpoints"] / 2 == 1024 * 64 * 2
+    assert half["gpu"]["kept attention"] == full["gpu"]["kept attention"] / 2
+    assert half["gpu"]["uncheckpointed layers"] == layer and none["gpu"]["uncheckpointed layers"] == 2 * layer
+    assert half["gpu_total"] - full["gpu_total"] == pytest.approx(layer - full["gpu"]["checkpoints"] / 2
+                                                                  - full["gpu"]["kept attention"] / 2)
+    # by hand: 4 H + (A + KV) before the q/k norms + A + 2 KV for the kernel + A out + 3 I (fused SwiGLU), bf16;
+    # fp32 per row: 2 + heads + kv for the norms, heads for the log-sum-exp
+    assert kept_layer_bytes(g, 1, 2, Levers(fused_kernels=True)) == (4 * 64 + 96 + 64 + 64 + 64 + 3 * 128) * 2 \
+        + 4 * (2 + 8 + 4 + 8)

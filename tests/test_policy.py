@@ -2,6 +2,8 @@
 planner's answer for the default flags, and for every rung of its ladder given as the flags it prints, equals what
 the trainer derives from those flags (its DeepSpeed config, micro-batch, tokens per rank) on the same machine."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,3 +88,37 @@ def test_loss_kernel_auto_forced_and_refused():
     with pytest.raises(ConfigError, match="--loss_kernel liger needs --loss fused"):
         resolve_levers(LeverRequest(loss="plain", loss_kernel="liger"), g, 4096, 2, h200)
     assert resolve_levers(LeverRequest(loss="plain"), g, 4096, 2, h200).loss_kernel == "ours"
+
+
+def test_checkpoint_layers_number_auto_and_the_planner_agree():
+    """`--checkpoint_layers`: a number is taken as given (0: no checkpointing), more than the model's layers is an
+    error naming the flag; auto is the fewest layers for which `fits` holds (memory only falls as more layers are
+    checkpointed), on the CPU every layer; and the trainer's auto equals the planner's for the same machine."""
+    from ulysses_train.errors import ConfigError
+
+    g = geometry(load_model_config(None, "qwen3-4b"))
+    h200 = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=1)
+    some = resolve_levers(LeverRequest(checkpoint_layers="10"), g, 65536, 2, h200)
+    assert some.checkpointed(36) == 10 and some.checkpointing and "--checkpoint_layers 10" in some.flags()
+    none = resolve_levers(LeverRequest(checkpoint_layers="0"), g, 65536, 2, h200)
+    assert not none.checkpointing and not none.keep_attention and "--checkpoint_layers 0" in none.flags()
+    assert resolve_levers(LeverRequest(checkpoint_layers="36"), g, 65536, 2, h200) == resolve_levers(
+        LeverRequest(), g, 65536, 2, h200)
+    with pytest.raises(ConfigError, match="--checkpoint_layers 37: the model has 36 layers"):
+        resolve_levers(LeverRequest(checkpoint_layers="37"), g, 65536, 2, h200)
+    asked = []
+    auto = resolve_levers(LeverRequest(checkpoint_layers="auto"), g, 65536, 2, h200,
+                          fits=lambda lv: asked.append(lv.checkpointed(36)) or lv.checkpointed(36) >= 20)
+    assert auto.checkpointed(36) == 20 and asked == list(range(21)) and "20 of 36" in auto.why["checkpoint_layers"]
+    cpu = resolve_levers(LeverRequest(checkpoint_layers="auto"), g, 4096, 4, DeviceInfo("cpu", 2**34, 2**34),
+                         fits=lambda lv: True)
+    assert cpu.checkpointed(36) == 36
+    gpu, host = GPU_GIB * 2**30, HOST_GIB * 2**30
+    for seq_len, gpus, sp in ((65536, 1, 1), (131072, 2, 2), (524288, 8, 8)):
+        planned = plan.levers_for(LeverRequest(checkpoint_layers="auto"), g, seq_len, gpus, sp, gpu, host)
+        trainer = _trainer_side(["--model_config", "qwen3-4b", "--seq_len", str(seq_len), "--sp_size", str(sp),
+                                 "--checkpoint_layers", "auto"], gpus, sp)
+        assert trainer == planned and trainer.why == planned.why and 0 < planned.checkpointed(36) < 36, seq_len
+        fewer = dataclasses.replace(planned, checkpoint_layers=planned.checkpointed(36) - 1)
+        assert plan.fits(plan.estimate(g, seq_len, gpus, sp, planned), gpu, host)
+        assert not plan.fits(plan.estimate(g, seq_len, gpus, sp, fewer), gpu, host)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,12 +41,13 @@ class LeverRequest:
     fused_kernels: str = "auto"
     share_master_weights: bool = True
     loss_kernel: str = "auto"
+    checkpoint_layers: str = "all"  # all, auto, or a number of layers
 
     @classmethod
     def from_config(cls, cfg) -> "LeverRequest":
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(cfg.lean_norm, cfg.lean_norm)
         return cls(cfg.loss, cfg.gradient_checkpointing, cfg.attn_recompute, cfg.offload_activations, cfg.tiled_mlp,
-                   lean, cfg.fused_kernels, cfg.share_master_weights, cfg.loss_kernel)
+                   lean, cfg.fused_kernels, cfg.share_master_weights, cfg.loss_kernel, cfg.checkpoint_layers)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class Levers:
     bf16_states: bool = False  # bf16 master weights and optimizer states (the DeepSpeed config's choice)
     offload_optimizer: bool = False  # optimizer states in host memory (the DeepSpeed config's choice)
     gqa_native: bool = True  # k and v reach the kernel with their own head count (fp32 on CUDA copies them out)
+    # with checkpointing: how many decoder layers, the first ones, are checkpointed (the others keep their
+    # activations); None: all of them
+    checkpoint_layers: Optional[int] = None
     why: dict = field(default_factory=dict, compare=False)  # lever -> the reason of an `auto` decision
 
     def flags(self, ds_config: Optional[str] = None) -> str:
@@ -98,6 +102,8 @@ class Levers:
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
         if self.loss == "fused" and self.loss_kernel == "ours":
             flags.append("--loss_kernel ours")
+        if not self.checkpointing or self.checkpoint_layers is not None:
+            flags.append(f"--checkpoint_layers {self.checkpoint_layers if self.checkpointing else 0}")
         if self.offload_activations:
             flags.append("--offload_activations")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
@@ -110,6 +116,12 @@ class Levers:
         elif self.bf16_states:
             flags.append("--ds_config ds_configs/zero3_bf16_states.json")
         return " ".join(flags)
+
+    def checkpointed(self, layers: int) -> int:
+        """How many of the model's `layers` are checkpointed (the first ones)."""
+        if not self.checkpointing:
+            return 0
+        return layers if self.checkpoint_layers is None else self.checkpoint_layers
 
     def off(self, lever: str, reason: str) -> "Levers":
         """The same levers with one turned off, and why."""
@@ -172,11 +184,45 @@ def _loss_kernel(request: LeverRequest, device: DeviceInfo) -> tuple[str, str]:
     return "liger", "auto: Liger-Kernel's on CUDA"
 
 
+def with_checkpoint_layers(levers: Levers, n: int, layers: int) -> Levers:
+    """The same levers with the first `n` of `layers` decoder layers checkpointed (0: none, so nothing is kept
+    of the attention either)."""
+    return dataclasses.replace(levers, checkpointing=n > 0, keep_attention=levers.keep_attention and n > 0,
+                               checkpoint_layers=None if n >= layers else n)
+
+
+def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, device: DeviceInfo,
+                       fits: Optional[Callable[[Levers], bool]]) -> Levers:
+    """`--checkpoint_layers`: a number, all, or auto: the fewest checkpointed layers with which `fits` (the planner's
+    memory estimate on this device: tools/plan.py) says the run fits. Fewer checkpointed layers is always faster
+    (each one saves a recompute), so the fewest that fit is also the fastest."""
+    mode = request.checkpoint_layers
+    if not levers.checkpointing or mode == "all":
+        return levers
+    if mode != "auto":
+        n = int(mode)
+        if n > layers:
+            raise ConfigError(f"--checkpoint_layers {n}: the model has {layers} layers; give 0 to {layers}, all or "
+                              f"auto")
+        return with_checkpoint_layers(levers, n, layers)
+    if device.type != "cuda" or fits is None:
+        return dataclasses.replace(levers, why={**levers.why, "checkpoint_layers": "auto: every layer (no GPU "
+                                                                                    "memory to spend)"})
+    for n in range(layers + 1):  # memory falls as n grows: the first that fits is the fastest that fits
+        candidate = with_checkpoint_layers(levers, n, layers)
+        if fits(candidate):
+            return dataclasses.replace(candidate, why={**levers.why, "checkpoint_layers":
+                                                       f"auto: {n} of {layers} layers, the fewest that fit"})
+    return dataclasses.replace(levers, why={**levers.why, "checkpoint_layers":
+                                            "auto: every layer (the plan does not fit even so)"})
+
+
 def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
-                   ds_choices: Optional[dict] = None) -> Levers:
+                   ds_choices: Optional[dict] = None, fits: Optional[Callable[[Levers], bool]] = None) -> Levers:
     """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
     micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
-    config fixes (tools/plan.py: ds_config_choices)."""
+    config fixes (tools/plan.py: ds_config_choices), `fits` whether given levers fit the device (the planner's
+    estimate, for `--checkpoint_layers auto`)."""
     ds_choices = ds_choices or {}
     why = {}
     offload = request.offload_activations and device.type == "cuda"
@@ -189,10 +235,11 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     if request.fused_kernels == "auto":
         why["fused_kernels"] = "auto: on for CUDA with Triton" if fused else "auto: off (CUDA with Triton only)"
     loss_kernel, why["loss_kernel"] = _loss_kernel(request, device)
-    return Levers(loss=request.loss, loss_kernel=loss_kernel, checkpointing=request.gradient_checkpointing,
-                  keep_attention=keep and request.gradient_checkpointing, offload_activations=offload,
-                  tiled_mlp=tiled, lean_norm=request.lean_norm != "off", fused_kernels=fused,
-                  share_master=request.share_master_weights, bf16_states=ds_choices.get("bf16_states", False),
-                  offload_optimizer=ds_choices.get("offload_optimizer", False),
-                  gqa_native=not (act_bytes == 4 and device.type == "cuda"),
-                  why={k: v for k, v in why.items() if v})
+    levers = Levers(loss=request.loss, loss_kernel=loss_kernel, checkpointing=request.gradient_checkpointing,
+                    keep_attention=keep and request.gradient_checkpointing, offload_activations=offload,
+                    tiled_mlp=tiled, lean_norm=request.lean_norm != "off", fused_kernels=fused,
+                    share_master=request.share_master_weights, bf16_states=ds_choices.get("bf16_states", False),
+                    offload_optimizer=ds_choices.get("offload_optimizer", False),
+                    gqa_native=not (act_bytes == 4 and device.type == "cuda"),
+                    why={k: v for k, v in why.items() if v})
+    return _checkpoint_layers(levers, request, g["layers"], device, fits)

@@ -4,7 +4,7 @@ modules it expects to patch, and the lever and flag that ask for it.
 | patch | replaces | expects |
 |---|---|---|
 | loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying | the output embedding |
-| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours | every decoder layer |
+| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours (`--checkpoint_layers N`: the layers after the first N are not checkpointed) | every decoder layer |
 | RMSNorm | the forward of each norm computing Llama's RMSNorm, by the lean (or fused) one | every `*RMSNorm` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
 | SwiGLU | the forward of each MLP computing down(silu(gate) * up), by the fused product | every dense `*.mlp` |
@@ -72,8 +72,15 @@ def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 40
     return head
 
 
-def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Optional[HostOffload]) -> int:
-    """transformers' gradient checkpointing, with our checkpoint function on every layer that has one."""
+def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Optional[HostOffload],
+                         layers: Optional[int] = None) -> int:
+    """transformers' gradient checkpointing, with our checkpoint function on every layer that has one; with `layers`
+    only the first that many decoder layers are checkpointed and the others keep their activations.
+
+    Why the first: in the backward the last layers run first, so the uncheckpointed ones free their activations
+    before any recompute begins (the recompute's working set never adds to them), and the activations that would
+    live longest (the first layers', from the start of the forward to the end of the backward) are the ones not
+    kept. (Megatron's `--recompute-method block` makes the same choice.)"""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers' newer name for the switch
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -85,6 +92,9 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = fn
             patched += isinstance(module, GradientCheckpointingLayer)  # the layers; the backbone has the flag too
+    if layers is not None:
+        for layer in _decoder_layers(model)[layers:]:
+            layer.gradient_checkpointing = False  # transformers' layer then runs as is, saving what autograd saves
     return patched
 
 
@@ -166,8 +176,12 @@ class Patch:
     expected: Callable[[nn.Module], int]  # how many modules of this model it should patch
 
 
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return list(getattr(model.get_decoder(), "layers", []))
+
+
 def _count_layers(model: nn.Module) -> int:
-    return len(getattr(model.get_decoder(), "layers", []))
+    return len(_decoder_layers(model))
 
 
 PATCHES = {
@@ -233,7 +247,8 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
         levers = check_fused_kernels(levers, request, device, dtype)
     if levers.loss_kernel == "liger":
         levers = check_liger_loss(levers, request, device, dtype)
-    steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload)),
+    steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload,
+                                                             levers.checkpoint_layers)),
              ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size,
                                                          levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),

@@ -1,8 +1,10 @@
-"""Memory planner: will this run fit, which levers does it need, how many GPUs?
+"""Planner: will this run fit, which levers does it need, how many GPUs, how long will a step take?
 
     python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ring_size R]
         [--ds_config F]
     python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
+    python -m ulysses_train.plan --gpus 8 [--fastest] -- <flags of launch/train.py>   # that run (tools/plan_command.py)
+    python -m ulysses_train.plan --calibrate FILE        # measure this machine's time constants (tools/calibrate.py)
 
 Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
 the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
@@ -27,6 +29,7 @@ from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_by
 from ..model.geometry import geometry
 from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
 from ..train.config import ring_size_number
+from .layer_activations import kept_layer_bytes
 from ..train.ds_config import lever_choices, load_ds_config
 
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -123,8 +126,11 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
         gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
     gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
-    checkpoints = checkpoint_bytes(g, t, b) if levers.checkpointing else 0
-    kept = kept_attention_bytes(g, t, b) if levers.keep_attention else 0
+    share = levers.checkpointed(g["layers"]) / g["layers"]  # checkpointed layers save inputs and kept outputs
+    checkpoints = checkpoint_bytes(g, t, b) * share
+    kept = kept_attention_bytes(g, t, b) * share if levers.keep_attention else 0
+    # the other layers keep their activations (the last ones: freed by their backward before any recompute starts)
+    whole_layers = (g["layers"] - levers.checkpointed(g["layers"])) * kept_layer_bytes(g, t, b, levers, sp)
     # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
     norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
     units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
@@ -144,8 +150,12 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
            "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
     if ring > 1:
         gpu["ring buffers"] = ring_buffers
-    # the loss runs at the end of the forward, the layer working set in the backward: never both at once
-    transient = max(layer + a2a + ring_buffers, loss)
+    if whole_layers:
+        gpu["uncheckpointed layers"] = whole_layers
+    # the loss runs at the end of the forward, the layer working set in the backward: never both at once. The
+    # uncheckpointed layers' activations are all alive at the loss; counted with a whole layer working set on top
+    # (their own backward needs less: conservative until measured)
+    transient = max(layer + a2a + ring_buffers, loss) + whole_layers
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
@@ -174,6 +184,16 @@ def ds_config_choices(path: str) -> dict:
     return lever_choices(load_ds_config(path))
 
 
+def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
+            micro: int = 1, act_bytes: int = 2):
+    """Whether given levers fit this run on this machine: what `--checkpoint_layers auto` asks (the trainer and the
+    planner pass it to the policy)."""
+    def fits_levers(levers: Levers) -> bool:
+        est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes)
+        return fits(est, gpu_mem, host_mem)
+    return fits_levers
+
+
 def planned_device(gpus: int, gpu_mem: float, host_mem: float) -> DeviceInfo:
     return DeviceInfo.gpu(gpu_mem / GiB, host_mem / GiB, local_ranks=min(gpus, 8))
 
@@ -181,8 +201,9 @@ def planned_device(gpus: int, gpu_mem: float, host_mem: float) -> DeviceInfo:
 def levers_for(request: LeverRequest, g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
                ds_choices: Optional[dict] = None, micro: int = 1) -> Levers:
     """What the trainer would resolve for these flags on the planned machine (the same policy call)."""
+    zero_stage = (ds_choices or {}).get("zero_stage", 3)
     return resolve_levers(request, g, micro * math.ceil(seq_len / sp), 2, planned_device(gpus, gpu_mem, host_mem),
-                          ds_choices)
+                          ds_choices, fits_on(g, seq_len, gpus, sp, gpu_mem, host_mem, zero_stage, micro))
 
 
 def _ladder(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
@@ -277,6 +298,18 @@ def ring_flag(ring: int) -> str:
     return f" --ring_size {ring}" if ring > 1 else ""
 
 
+def predicted_time(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, ds_choices: Optional[dict],
+                   constants: Optional[str]) -> str:
+    """One line: the time model's step time for this plan (tools/time_model.py; FlashAttention-4)."""
+    from .time_model import Constants, Run, step_time
+
+    run = Run(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3))
+    t = step_time(run, Constants.load(constants))
+    return (f"predicted step time {t['total']:.1f} s with FlashAttention-4 (attention {t['parts']['attention']:.1f} "
+            f"s, communication {100 * t['communication_share']:.1f}%; the fastest plan: add -- <train flags> "
+            f"--fastest)")
+
+
 def _table(rows) -> str:
     return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
 
@@ -318,6 +351,10 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     from ..model.build import load_model_config
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_argv = None
+    if "--" in argv:  # a command: the flags of launch/train.py after the planner's own (tools/plan_command.py)
+        argv, train_argv = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     p = argparse.ArgumentParser(prog="python -m ulysses_train.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_config", default=None)
@@ -336,9 +373,30 @@ def _main(argv=None) -> int:
                    help="a DeepSpeed JSON: its ZeRO stage and optimizer precision/offload are used as given "
                         "(default: ZeRO-3, and the planner picks the optimizer states)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--fastest", action="store_true",
+                   help="with a command (-- <flags>): search SP size, levers, checkpointed layers and micro-batch "
+                        "for the least time per sequence that fits on --gpus, and print the fastest plans")
+    p.add_argument("--constants", default=None, metavar="FILE",
+                   help="the time model's constants (a --calibrate file); default: the H200's")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="measure this machine's constants (matmul, attention kernel, host copies; all-to-all under "
+                        "torchrun) into FILE, and exit")
     a = p.parse_args(argv)
+    if a.calibrate:
+        from .calibrate import calibrate
+
+        calibrate(a.calibrate)
+        return 0
+    if train_argv is not None:
+        from . import plan_command
+
+        a.seq_len = a.seq_len or 1  # the command gives the length
+        check_numbers(a)
+        return plan_command.main(a, train_argv)
+    if a.fastest:
+        p.error("--fastest plans a command: give the flags of launch/train.py after --")
     if not a.longest and a.seq_len is None:
-        p.error("give --seq_len N, or --longest")
+        p.error("give --seq_len N, or --longest (or a command after --)")
     a.ring_size = None if a.ring_size == "auto" else ring_size_number(a.ring_size)
     check_numbers(a)
     g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
@@ -371,6 +429,7 @@ def _main(argv=None) -> int:
         return 1
     print(f"fits with --sp_size {sp}{ring_flag(est['ring_size'])} {levers.flags(a.ds_config)}  "
           f"({est['tokens_per_rank']:,} tokens per rank)")
+    print(predicted_time(g, a.seq_len, a.gpus, sp, levers, ds_choices, a.constants))
     print("per GPU:")
     print(_table(_gpu_rows(est, levers) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
     print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")

@@ -116,6 +116,11 @@ class TrainConfig:
     loss_chunk_size: int = _f(4096, "Rows per chunk of our fused loss (--loss_kernel ours; peak loss memory ~ chunk "
                                     "x vocab x 6 bytes in bf16).")
     gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
+    checkpoint_layers: str = _f("all", "How many decoder layers are checkpointed: the first N (0 to the model's "
+                                       "depth); the others keep their activations, which costs memory and saves "
+                                       "their recompute. all: every layer. auto: the fewest checkpointed layers with "
+                                       "which the planner's memory estimate fits the device (python -m "
+                                       "ulysses_train.plan prints it; every layer on the CPU).")
     attn_recompute: str = _f("auto", "never: keep each layer's attention output and log-sum-exp from the forward, so "
                                      "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
                                      "bytes; on the host with --offload_activations). always: plain checkpointing. "
@@ -218,6 +223,7 @@ class TrainConfig:
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         self._validate_resume()
+        self._validate_checkpoint_layers()
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
         for name, default in (("data_format", "auto"), ("chat_template", None), ("loss_on", "auto"),
@@ -247,6 +253,14 @@ class TrainConfig:
         """The settings --resume_override names."""
         return {name.strip() for name in (self.resume_override or "").split(",") if name.strip()}
 
+    def _validate_checkpoint_layers(self) -> None:
+        value = self.checkpoint_layers
+        if value not in ("all", "auto") and not (value.isdigit()):
+            raise ConfigError(f"--checkpoint_layers must be all, auto or a number of layers >= 0, got {value!r}")
+        if not self.gradient_checkpointing and value not in ("all", "0"):
+            raise ConfigError(f"--checkpoint_layers {value} needs --gradient_checkpointing true (false checkpoints "
+                              f"no layer)")
+
     def _validate_resume(self) -> None:
         if self.resume_override and not self.resume:
             raise ConfigError("--resume_override needs --resume (auto or a checkpoint path)")
@@ -272,8 +286,9 @@ FREE_SETTINGS = frozenset({
     "eval_dataset", "eval_split", "eval_steps", "eval_samples",
     "ring_size",  # the same attention, split another way
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
-    "attn_kernel", "gradient_checkpointing", "attn_recompute", "tiled_mlp", "mlp_tile_tokens",
-    "share_master_weights", "lean_norm", "fused_kernels", "offload_activations", "loss_chunk_size", "loss_kernel"})
+    "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "tiled_mlp",
+    "mlp_tile_tokens", "share_master_weights", "lean_norm", "fused_kernels", "offload_activations",
+    "loss_chunk_size", "loss_kernel"})
 
 
 def ring_size_number(value: str) -> Optional[int]:

@@ -77,9 +77,17 @@ def verify_seq_len(cfg: TrainConfig) -> int:
 def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: torch.dtype,
                device: DeviceInfo) -> Levers:
     """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags)."""
-    local_tokens = ds["train_micro_batch_size_per_gpu"] * math.ceil(cfg.seq_len / sp_size)
-    return resolve_levers(LeverRequest.from_config(cfg), geometry(model_config), local_tokens, dtype.itemsize, device,
-                          lever_choices(ds))
+    micro = ds["train_micro_batch_size_per_gpu"]
+    local_tokens = micro * math.ceil(cfg.seq_len / sp_size)
+    g, choices = geometry(model_config), lever_choices(ds)
+    fits = None
+    if cfg.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
+        from ..tools.plan import fits_on
+
+        world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
+        fits = fits_on(g, cfg.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
+                       choices.get("zero_stage", 3), micro, dtype.itemsize)
+    return resolve_levers(LeverRequest.from_config(cfg), g, local_tokens, dtype.itemsize, device, choices, fits)
 
 
 class Trainer:
@@ -257,7 +265,9 @@ class Trainer:
                                                    and lv.why["fused_kernels"].startswith("auto: off,") else ""))
         norms = counts.get("RMSNorm", (0, 0))[0] if lv.lean_norm or lv.fused_kernels else 0
         loss = f"{lv.loss} ({lv.loss_kernel})" if lv.loss == "fused" else lv.loss
-        return (f"loss {loss} | checkpointing {lv.checkpointing} (attention kept: {lv.keep_attention}, offload: "
+        layers = self.model_config.num_hidden_layers
+        checkpointed = f"{lv.checkpointed(layers)} of {layers} layers" if lv.checkpointing else "off"
+        return (f"loss {loss} | checkpointing {checkpointed} (attention kept: {lv.keep_attention}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}")
 

@@ -1,0 +1,120 @@
+"""Prints the time model's step time next to every step measured in docs/results/*.json (the table in docs/time.md).
+
+    python benchmarks/time_vs_measured.py [--constants FILE] [--sft_data DIR]
+
+Each result of benchmarks/step_bench.py records its flags (`argv`), the levers its run resolved, its attention
+kernel (none recorded: SDPA, the runs from before FlashAttention-4), GPUs and SP size; the model predicts exactly
+that run. The median step after the first is compared, except for packed runs, whose steps differ with the documents
+they hold: those are compared step by step, with each step's document lengths recomputed through the trainer's own
+data path from the data the run used (`benchmarks/sft_data.py` is seeded: the script makes it again in a temporary
+folder unless --sft_data names one)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ulysses_train.levers.policy import Levers  # noqa: E402
+from ulysses_train.model.build import load_model_config  # noqa: E402
+from ulysses_train.model.geometry import geometry  # noqa: E402
+from ulysses_train.tools.time_model import Constants, Run, step_time  # noqa: E402
+
+# the data of the packed runs (docs/benchmarks.md, "SFT on packed conversations")
+SFT_DATA_ARGS = ["--count", "12", "--min_chars", "30000", "--max_chars", "120000"]
+
+
+def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
+    """Per step (1-based, in order) the document lengths of its sample, padding last, as the trainer packs them:
+    its config parser and data path (train/trainer.py), without a model or a process group."""
+    from ulysses_train.data.sources import build_batch, global_sample_index, sample_order
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.trainer import Trainer
+
+    argv = list(argv)
+    i = argv.index("--dataset")
+    argv[i + 1] = os.path.join(data_dir, os.path.basename(argv[i + 1]))
+    cfg, _ = parse_args(argv + ["--data_cache_dir", os.path.join(data_dir, "cache")])
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.seq_len = cfg, cfg.seq_len
+    trainer.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
+    trainer.log = lambda message: None
+    loaded = trainer._try_load_corpus()
+    if isinstance(loaded, str):
+        raise RuntimeError(loaded)
+    _, source = loaded
+    docs = []
+    for step in range(steps):
+        index = sample_order(global_sample_index(step, 0, 1, 0, 1, 1, 0), source.num_samples, cfg.seed)
+        docs.append(tuple(build_batch([source.get(index)], True)["docs"][0]))
+    return docs
+
+
+def run_of(r: dict, docs=None) -> Run:
+    config = load_model_config(None, "qwen3-4b", r["layers"])
+    return Run(geometry(config), r["seq_len"], r["world"], r["sp"], Levers(**r["levers"]),
+               kernel=r.get("attn_kernel") or "sdpa", docs=docs)
+
+
+def rows(constants: Constants, sft_data: str):
+    """(name, run's result, step label, measured seconds, predicted result) for every measured step; `sft_data`:
+    where benchmarks/sft_data.py wrote (or is to write) the packed runs' data."""
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*.json"))):
+        r = json.load(open(path))
+        if "argv" not in r:  # not a step_bench result
+            continue
+        name = os.path.basename(path)[:-5]
+        if "--packing" not in r["argv"]:
+            yield name, r, "median", r["median_step_s"], step_time(run_of(r), constants)
+            continue
+        if "--chat_template" in r["argv"]:
+            template = r["argv"][r["argv"].index("--chat_template") + 1]
+            if not os.path.exists(os.path.join(ROOT, template)):
+                print(f"{name}: left out, its chat template {template} is not in this checkout", file=sys.stderr)
+                continue
+        if not os.path.exists(os.path.join(sft_data, "chat.jsonl")):
+            subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sft_data.py"), "--out", sft_data]
+                           + SFT_DATA_ARGS, check=True, capture_output=True)
+        cwd = os.getcwd()
+        os.chdir(ROOT)  # the run's paths (its chat template) are relative to the repository
+        try:
+            docs = packed_docs(r["argv"], sft_data, len(r["step_times_s"]))
+        finally:
+            os.chdir(cwd)
+        for step in range(1, len(r["step_times_s"])):  # the first step compiles and warms up
+            yield name, r, f"step {step + 1}", r["step_times_s"][step], step_time(run_of(r, (docs[step],)),
+                                                                                  constants)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--constants", default=None, help="a JSON of constants (python -m ulysses_train.plan "
+                                                          "--calibrate FILE); default: the H200's")
+    parser.add_argument("--sft_data", default=None, help="the folder benchmarks/sft_data.py wrote for the packed "
+                                                         "runs; default: made again in a temporary folder")
+    a = parser.parse_args()
+    constants = Constants.load(a.constants)
+    print("| run | step | tokens | sp | layers | kernel | measured s | predicted s | error | attention | matmul | "
+          "other |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="sftd_") as tmp:
+        for name, r, label, measured, predicted in rows(constants, a.sft_data or tmp):
+            total, parts = predicted["total"], predicted["parts"]
+            errors.append(total / measured - 1)
+            other = total - parts["attention"] - parts["matmul"]
+            print(f"| {name} | {label} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | "
+                  f"{r.get('attn_kernel') or 'sdpa'} | {measured:.2f} | {total:.2f} | {100 * errors[-1]:+.1f}% | "
+                  f"{parts['attention']:.2f} | {parts['matmul']:.2f} | {other:.2f} |", flush=True)
+    worst = max(map(abs, errors))
+    print(f"\n{len(errors)} steps, largest error {100 * worst:.1f}%, mean {100 * sum(map(abs, errors)) / len(errors):.1f}%")
+
+
+if __name__ == "__main__":
+    main()

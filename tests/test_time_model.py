@@ -1,0 +1,134 @@
+"""The time model's arithmetic against values computed by hand, the planner's `--fastest` search against a
+brute-force enumeration of every plan, the command-line planner (`plan -- <train flags>`), and `--calibrate`."""
+
+import dataclasses
+import json
+
+import pytest
+
+from tests.models import tiny_config
+from ulysses_train.levers.policy import GiB, LeverRequest, Levers, resolve_levers
+from ulysses_train.model.geometry import geometry
+from ulysses_train.tools.time_model import AttentionRates, Constants, ElementwiseCosts, Run, step_time
+
+ONES = ElementwiseCosts(*(1e-12,) * 6)
+ROUND = Constants(matmul_tflops=100.0, attention={"flash_attn_4": AttentionRates(fwd=50.0, bwd=40.0)},
+                  loss_tflops=10.0, fused=ONES, eager=ONES, hbm_tb_s=1.0, adam_gb_s=100.0, nvlink_gb_s=10.0,
+                  pcie_gb_s=5.0, host_gb_s=1000.0, step_overhead_s=0.5)
+
+
+def test_step_time_by_hand():
+    """Tiny Qwen3 (hidden 64, 8 heads x 8, 4 KV heads, intermediate 128, vocabulary 96, 2 layers), 1,024 tokens
+    on 2 GPUs at SP=2, the first layer checkpointed with its attention outputs kept, the second not; round
+    constants. Every part is written out here from the counts, not from the model's code."""
+    g = geometry(tiny_config("qwen3"))
+    levers = Levers(keep_attention=True, fused_kernels=True, bf16_states=True, checkpoint_layers=1)
+    t = step_time(Run(g, 1024, 2, 2, levers), ROUND)
+    tokens = 512
+    linear = 2 * tokens * (64 * 8 * (8 + 8 + 4 + 4) + 3 * 64 * 128) / 100e12  # q, o, k, v and the MLP, per forward
+    attention_fwd = 2 * 1024**2 * 64 / 2 / 50e12  # causal, half the heads on each rank
+    attention_bwd = 2.5 * 2 * 1024**2 * 64 / 2 / 40e12
+    elementwise = tokens * ((2 * 64 + 64 + 32) + (64 + 32) + 128) * 1e-12 + 6 * tokens * 64 * 2 / 1e12  # + adds
+    sent = tokens * (2 * 64 + 2 * 32) * 2  # q, out and k, v (4 KV heads, not replicated at SP=2)
+    a2a = sent / 2 / 10e9 + 2 * sent / 1e12  # half crosses to the other rank; the layout copies
+    checkpointed = (linear + attention_fwd + elementwise + a2a) + (linear + elementwise + a2a) \
+        + (2 * linear + attention_bwd + elementwise + a2a)  # forward, recompute without the kernel, backward
+    uncheckpointed = (linear + attention_fwd + elementwise + a2a) + (2 * linear + attention_bwd + elementwise + a2a)
+    loss = 6 * tokens * 96 * 64 / 10e12
+    optimizer = g["params"] / 2 * 14 / 100e9
+    assert t["parts"]["attention"] == pytest.approx(2 * attention_fwd + 2 * attention_bwd)
+    assert t["parts"]["matmul"] == pytest.approx(7 * linear)
+    assert t["parts"]["all-to-all"] == pytest.approx(5 * a2a)
+    assert t["parts"]["loss"] == pytest.approx(loss) and t["parts"]["optimizer"] == pytest.approx(optimizer)
+    assert t["total"] == pytest.approx(checkpointed + uncheckpointed + loss + optimizer + 0.5)
+    assert t["parts"]["exposed copies and collectives"] == pytest.approx(0, abs=1e-15)  # ZeRO-3's gathers hide behind the layers
+    # the offload's copies: 512 x 64 x 2 bytes of input and 512 x (64 x 2 + 8 x 4) of kept output at 5 GB/s, beyond
+    # the compute of the layer they overlap
+    slow = dataclasses.replace(ROUND, pcie_gb_s=1e-3)
+    offloaded = step_time(Run(g, 1024, 2, 2, dataclasses.replace(levers, offload_activations=True)), slow)
+    copy = tokens * (64 * 2 + 64 * 2 + 8 * 4) / 1e6
+    assert offloaded["total"] == pytest.approx(t["total"] - checkpointed + 2 * copy)  # forward, backward: copies
+    # packed documents: attention over each document only
+    packed = step_time(Run(g, 1024, 2, 2, levers, docs=((512, 256, 256),)), ROUND)
+    assert t["parts"]["attention"] - packed["parts"]["attention"] == pytest.approx(
+        (2 * attention_fwd + 2 * attention_bwd) * (1 - (512**2 + 2 * 256**2) / 1024**2))
+
+
+def test_constants_round_trip_through_json(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**ROUND.to_json(), "measured": ["matmul"]}))
+    assert Constants.load(str(path)) == ROUND
+    path.write_text(json.dumps({"matmul_tflop": 1.0}))
+    with pytest.raises(ValueError, match="unknown constants: matmul_tflop"):
+        Constants.load(str(path))
+
+
+def test_calibrate_measures_this_cpu(tmp_path, capsys):
+    """On a CPU `--calibrate` measures the matmul and SDPA (small sizes) and says that the result describes the
+    CPU; what it cannot measure keeps the default, and the file says which is which."""
+    from ulysses_train.tools.plan import main
+
+    path = tmp_path / "cpu.json"
+    assert main(["--calibrate", str(path)]) == 0
+    assert "describes this CPU" in capsys.readouterr().out
+    values = json.loads(path.read_text())
+    measured = Constants.load(str(path))
+    assert 0 < measured.matmul_tflops < 100 and 0 < measured.attention["sdpa"].fwd < 100  # a CPU, not an H200
+    assert measured.pcie_gb_s == Constants().pcie_gb_s and len(values["measured"]) == 2
+
+
+def _brute_force(c, machine, constants):
+    """Every SP size, micro-batch, lever and number of checkpointed layers, each evaluated; the fastest that fits."""
+    from ulysses_train.tools.plan_command import candidates, evaluate
+
+    best = None
+    for sp, micro, request, choices in candidates(c, machine):
+        for n in range(c.g["layers"] + 1):
+            explicit = dataclasses.replace(request, checkpoint_layers=str(n))
+            levers = resolve_levers(explicit, c.g, micro * c.cfg.seq_len // sp, c.act_bytes, machine.device(),
+                                    choices)
+            plan = evaluate(c, machine, constants, sp, levers, micro)
+            if plan.fits and (best is None or plan.per_sequence < best.per_sequence):
+                best = plan
+    return best
+
+
+@pytest.mark.parametrize("gpu_gib", [16, 24])
+def test_fastest_equals_brute_force(gpu_gib):
+    """`--fastest` tries only the fewest checkpointed layers that fit for each kind of plan; enumerating every
+    number of layers of every kind finds no faster plan that fits, on a case where the answer checkpoints some
+    layers but not all."""
+    from ulysses_train.tools.plan_command import Machine, command, fastest
+
+    machine = Machine(2, gpu_gib * GiB, 64 * GiB)
+    c = command(["--model_config", "qwen3-0.6b", "--seq_len", "65536", "--grad_accum", "2"], machine)
+    found = fastest(c, machine, Constants())
+    best = _brute_force(c, machine, Constants())
+    assert found[0].per_sequence == pytest.approx(best.per_sequence)
+    assert (found[0].sp, found[0].micro, found[0].levers) == (best.sp, best.micro, best.levers)
+    assert 0 < best.levers.checkpointed(28) < 28
+    assert all(a.per_sequence <= b.per_sequence for a, b in zip(found, found[1:]))
+
+
+def test_plan_of_a_command_is_the_trainers_run(capsys):
+    """`plan -- <train flags>`: the levers the trainer's policy gives those flags, and the memory and time of
+    exactly that run; `--fastest` prints plans that fit; a bad train flag is one error line and exit 2."""
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.tools.plan import estimate, main, planned_device
+
+    flags = ["--model_config", "qwen3-4b", "--seq_len", "65536", "--offload_activations", "--ds_config",
+             "ds_configs/zero3_bf16_states.json", "--checkpoint_layers", "20"]
+    assert main(["--gpus", "1", "--"] + flags) == 0
+    out = capsys.readouterr().out
+    g = geometry(load_model_config(None, "qwen3-4b"))
+    levers = resolve_levers(LeverRequest(offload_activations=True, checkpoint_layers="20"), g, 65536, 2,
+                            planned_device(1, 139.7 * GiB, 125 * GiB), {"bf16_states": True, "zero_stage": 3})
+    assert levers.checkpointed(36) == 20 and levers.keep_attention and levers.fused_kernels
+    assert f"levers: {levers.flags('ds_configs/zero3_bf16_states.json')}," in out
+    memory = estimate(g, 65536, 1, 1, levers)["gpu_total"] / GiB
+    seconds = step_time(Run(g, 65536, 1, 1, levers), Constants())["total"]
+    assert f"memory: {memory:.1f} GiB per GPU" in out and f"time: {seconds:.2f} s per step" in out
+    assert main(["--gpus", "1", "--fastest", "--"] + flags) == 0
+    assert "fastest that fit on 1 GPU(s)" in capsys.readouterr().out
+    assert main(["--gpus", "1", "--", "--model_config", "qwen3-4b", "--seq_len", "0"]) == 2
+    assert capsys.readouterr().err == "error: --seq_len must be positive, got 0\n"

@@ -1,0 +1,39 @@
+"""What a decoder layer that is not checkpointed (`--checkpoint_layers N` leaves the last layers so) keeps for its
+backward, per rank: the planner's memory term for those layers (tools/plan.py) and the saving the time model books
+for them (tools/time_model.py: no recompute).
+
+Counted op by op through a Qwen3/Llama layer as transformers runs it under our levers, in elements per token of the
+rank (b bytes each, the activation dtype):
+
+| tensor | elements | saved by |
+|---|---|---|
+| layer input x | H | the input norm (lean or fused: its input and one fp32 number per row) |
+| normed x | H | q, k, v projections |
+| q, k before their norms (Qwen3) | A + KV | the q and k norms |
+| q, k, v as the kernel gets them | A + 2 KV' | the attention kernel (KV' = KV heads after replication for sp > KV) |
+| attention output | A | the kernel (its output, with an fp32 log-sum-exp per head) and the output projection; with sp > 1 the all-to-all makes a second copy (+A) |
+| h = x + attention | H | the post-attention norm |
+| normed h | H | gate and up projections (and the tiled MLP, which saves nothing else) |
+| MLP | 4 I: gate, silu(gate), up, product; 3 I with the fused SwiGLU (no silu(gate)); 0 with the tiled MLP | silu, the product, the down projection |
+
+plus per row fp32: the four norms' (2 + heads + KV heads) and the log-sum-exp (heads). Without the lean norms each
+norm also keeps an fp32 copy of its input (4 bytes per element: 2H + A + KV). Rotary saves only cos and sin, shared
+by all layers. Checked on CPU by counting every allocation alive after a forward (tests/test_plan.py), with and
+without the lean norms, the fused kernels and the tiled MLP; on the H200 it is still to be checked against peaks.
+"""
+
+from __future__ import annotations
+
+
+def kept_layer_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1) -> float:
+    """Bytes one rank keeps for the backward of one layer that is not checkpointed, `tokens` tokens on the rank."""
+    # k and v as the kernel gets them: KV heads replicated up to sp (sp/attention.py), or copied to every query
+    # head without native GQA
+    kernel_kv = max(g["kv"], sp) * g["head_dim"] if levers.gqa_native else g["attn_width"]
+    qk_norm = g["attn_width"] + g["kv_width"] if g["qk_norm"] else 0
+    mlp = 0 if levers.tiled_mlp else (3 if levers.fused_kernels else 4) * g["inter"]
+    out = g["attn_width"] * (2 if sp > 1 else 1)
+    elements = 4 * g["hidden"] + qk_norm + g["attn_width"] + 2 * kernel_kv + out + mlp
+    row_floats = 2 + (g["heads"] + g["kv"]) * g["qk_norm"] + g["heads"]  # norms' fp32 per row, log-sum-exp
+    norm_copies = 0 if levers.lean_norm else 2 * g["hidden"] + qk_norm
+    return tokens * (elements * act_bytes + 4 * (row_floats + norm_copies))

@@ -1,0 +1,214 @@
+"""The planner on a command: `python -m ulysses_train.plan [--gpus N ...] -- <flags of launch/train.py>`.
+
+The flags go through the trainer's own parser (train/config.py), DeepSpeed config reconciliation
+(train/ds_config.py) and lever resolution (train/trainer.py: run_levers, the policy of levers/policy.py), for the
+planned machine, so the plan is of the run those flags start. It prints that run's memory (tools/plan.py) and step
+time (tools/time_model.py). With `--fastest` it searches, on the same GPUs (and nodes, 8 GPUs a node), the SP size,
+the levers (kept attention, the offload, the tiled MLP, the optimizer on the GPU or the CPU), how many layers to
+checkpoint and the micro-batch (micro x accumulation held at what the flags give), for the least time per sequence
+among the plans that fit. What it keeps as given: the model, the length, the kernel, the loss, the optimizer states'
+precision (a search never changes what is trained beyond the batch that the SP size's data parallelism implies).
+`auto` kernels are planned as FlashAttention-4 (what the trainer picks on an H100/H200 with flash-attn-4
+installed); give `--attn_kernel sdpa` to plan cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..model.build import attention_heads, load_model_config
+from ..model.geometry import geometry
+from ..sp import dims
+from .plan import estimate, fits, fits_on
+from .time_model import Constants, Run, step_time
+
+TOP = 5  # plans --fastest prints
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpus: int
+    gpu_mem: float  # bytes per GPU
+    host_mem: float  # bytes per node
+    gpus_per_node: int = 8
+
+    def device(self) -> DeviceInfo:
+        return DeviceInfo.gpu(self.gpu_mem / GiB, self.host_mem / GiB, local_ranks=min(self.gpus, self.gpus_per_node))
+
+
+@dataclass(frozen=True)
+class Command:
+    """A run's flags as the trainer resolves them on a planned machine."""
+
+    cfg: object  # train/config.py TrainConfig
+    g: dict
+    sp: int
+    levers: Levers
+    kernel: str
+    micro: int
+    accum: int
+    zero_stage: int
+    act_bytes: int
+    ds_choices: dict
+    ds_config: Optional[str]  # the --ds_config typed, if one was
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate: its layout, levers, memory and time."""
+
+    sp: int
+    micro: int
+    accum: int
+    levers: Levers
+    memory: dict  # tools/plan.py estimate
+    time: dict  # tools/time_model.py step_time
+    fits: bool
+    per_sequence: float  # step seconds per sequence trained
+
+
+def _kernel(name: str) -> str:
+    return "flash_attn_4" if name == "auto" else name
+
+
+def command(train_argv: list[str], machine: Machine) -> Command:
+    """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
+    from ..train.config import parse_args
+    from ..train.ds_config import lever_choices, load_ds_config, resolve_ds_config
+    from ..train.trainer import run_levers
+
+    import torch
+
+    cfg, explicit = parse_args(train_argv)
+    cfg.validate()
+    config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
+    sp = cfg.sp_size or math.gcd(min(machine.gpus, machine.gpus_per_node), machine.gpus)
+    dims.validate(machine.gpus, sp, *attention_heads(config), {"seq_len": cfg.seq_len}, cfg.pad_to_sp)
+    bf16 = cfg.dtype != "fp32"  # auto is bf16 on a GPU
+    ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, machine.gpus // sp, sp, config.hidden_size,
+                           use_bf16=bf16, random_init=cfg.model is None)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    levers = run_levers(cfg, config, ds, sp, dtype, machine.device())
+    choices = lever_choices(ds)
+    return Command(cfg, geometry(config), sp, levers, _kernel(cfg.attn_kernel), ds["train_micro_batch_size_per_gpu"],
+                   ds["gradient_accumulation_steps"], choices["zero_stage"], dtype.itemsize, choices,
+                   cfg.ds_config if "ds_config" in explicit else None)
+
+
+def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[int] = None,
+             levers: Optional[Levers] = None, micro: Optional[int] = None) -> Plan:
+    """Memory and time of the command, or of it with another SP size, levers or micro-batch (the accumulation
+    keeping micro x accumulation)."""
+    sp, levers, micro = sp or c.sp, levers or c.levers, micro or c.micro
+    accum = c.micro * c.accum // micro
+    cfg = c.cfg
+    memory = estimate(c.g, micro * cfg.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.loss_chunk_size,
+                      tile_tokens=cfg.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes)
+    run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage,
+              act_bytes=c.act_bytes)
+    time = step_time(run, constants)
+    sequences = machine.gpus // sp * micro * accum
+    return Plan(sp, micro, accum, levers, memory, time, fits(memory, machine.gpu_mem, machine.host_mem),
+                time["total"] / sequences)
+
+
+def candidates(c: Command, machine: Machine, sp_sizes: Optional[list[int]] = None):
+    """(sp, micro, lever request, DeepSpeed choices) of the search: every SP size the model's heads and the length
+    allow, micro-batches dividing micro x accumulation, kept attention or not, offload or not, tiled MLP or not (a
+    MoE has no dense MLP to tile), the optimizer on the GPU or (fp32 states) on the CPU."""
+    heads, kv = c.g["heads"], c.g["kv"]
+    batch = c.micro * c.accum
+    optimizers = [{"offload_optimizer": False}] + ([] if c.ds_choices["bf16_states"]
+                                                   else [{"offload_optimizer": True}])
+    tiling = ("off",) if c.g["experts"] else ("off", "on")
+    for sp in sp_sizes or dims.valid_sp_sizes(machine.gpus, heads, kv):
+        if c.cfg.seq_len % sp and not c.cfg.pad_to_sp:
+            continue
+        for micro in (m for m in range(1, batch + 1) if batch % m == 0):
+            for keep in ("never", "always"):
+                for offload in (False, True):
+                    for tiled in tiling:
+                        for optimizer in optimizers:
+                            request = dataclasses.replace(
+                                LeverRequest.from_config(c.cfg), attn_recompute=keep, offload_activations=offload,
+                                tiled_mlp=tiled, gradient_checkpointing=True, checkpoint_layers="auto")
+                            yield sp, micro, request, {**c.ds_choices, **optimizer}
+
+
+def fastest(c: Command, machine: Machine, constants: Constants, sp_sizes: Optional[list[int]] = None) -> list[Plan]:
+    """Every candidate (of these SP sizes; default: all) with the fewest checkpointed layers that fit (the fastest
+    of its kind: each layer not checkpointed saves its recompute), the ones that fit sorted by time per sequence."""
+    plans, seen = [], set()
+    for sp, micro, request, choices in candidates(c, machine, sp_sizes):
+        fits_here = fits_on(c.g, c.cfg.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
+                            micro, c.act_bytes)
+        levers = resolve_levers(request, c.g, micro * math.ceil(c.cfg.seq_len / sp), c.act_bytes, machine.device(),
+                                choices, fits_here)
+        key = (sp, micro, levers)
+        if key in seen:
+            continue
+        seen.add(key)
+        plan = evaluate(c, machine, constants, sp, levers, micro)
+        if plan.fits:
+            plans.append(plan)
+    return sorted(plans, key=lambda p: p.per_sequence)
+
+
+def describe(plan: Plan, c: Command, machine: Machine) -> str:
+    """The plan's flags (its SP size, micro-batch and levers) and what it costs."""
+    layers = c.g["layers"]
+    flags = f"--sp_size {plan.sp} " + plan.levers.flags(None if _optimizer_changed(plan, c) else c.ds_config)
+    if plan.micro != c.micro:
+        flags += f" --micro_batch_size {plan.micro} --grad_accum {plan.accum}"
+    checkpointed = plan.levers.checkpointed(layers)
+    return (f"{plan.time['total']:8.1f} s/step {plan.per_sequence:8.2f} s/sequence  "
+            f"{plan.memory['gpu_total'] / GiB:6.1f} GiB/GPU {plan.memory['host_total'] / GiB:6.1f} GiB/node  "
+            f"comm {100 * plan.time['communication_share']:4.1f}%  checkpointed {checkpointed}/{layers}  {flags}")
+
+
+def _optimizer_changed(plan: Plan, c: Command) -> bool:
+    return plan.levers.offload_optimizer != c.ds_choices.get("offload_optimizer", False)
+
+
+def report(plan: Plan, c: Command, machine: Machine) -> str:
+    """Memory and time of one run, part by part."""
+    cfg, g = c.cfg, c.g
+    lines = [f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {cfg.seq_len:,} tokens, {machine.gpus} GPU(s) "
+             f"(sp {plan.sp} x dp {machine.gpus // plan.sp}), micro {plan.micro} x accum {plan.accum}, kernel "
+             f"{c.kernel}",
+             f"levers: {plan.levers.flags(c.ds_config)}, fused kernels {plan.levers.fused_kernels}, checkpointed layers "
+             f"{plan.levers.checkpointed(g['layers'])} of {g['layers']}",
+             f"memory: {plan.memory['gpu_total'] / GiB:.1f} GiB per GPU of {machine.gpu_mem / GiB:.1f}, "
+             f"{plan.memory['host_total'] / GiB:.1f} GiB per node of {machine.host_mem / GiB:.1f}: "
+             f"{'fits' if plan.fits else 'does not fit'}"]
+    lines += [f"  {k:<24}{v / GiB:8.1f} GiB" for k, v in plan.memory["gpu"].items()]
+    lines.append(f"time: {plan.time['total']:.2f} s per step ({plan.per_sequence:.2f} s per sequence, "
+                 f"{machine.gpus // plan.sp * plan.micro * plan.accum * cfg.seq_len / plan.time['total']:,.0f} "
+                 f"tokens/s); communication {100 * plan.time['communication_share']:.1f}% of it")
+    lines += [f"  {k:<32}{v:8.2f} s" for k, v in plan.time["parts"].items()]
+    lines.append(f"  {'overlapped copies, collectives':<32}" + ", ".join(
+        f"{k} {v:.2f} s" for k, v in plan.time["overlapped"].items()))
+    return "\n".join(lines)
+
+
+def main(plan_args, train_argv: list[str]) -> int:
+    """`plan [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit."""
+    constants = Constants.load(plan_args.constants)
+    machine = Machine(plan_args.gpus, plan_args.gpu_mem_gib * GiB, plan_args.host_mem_gib * GiB,
+                      constants.gpus_per_node)
+    c = command(train_argv, machine)
+    print(report(evaluate(c, machine, constants), c, machine))
+    if not plan_args.fastest:
+        return 0
+    plans = fastest(c, machine, constants)
+    if not plans:
+        print(f"\nnothing fits on {machine.gpus} GPU(s): use more GPUs or a shorter --seq_len")
+        return 1
+    print(f"\nfastest that fit on {machine.gpus} GPU(s) (time per sequence; constants: {constants.name}):")
+    for plan in plans[:TOP]:
+        print("  " + describe(plan, c, machine))
+    return 0

@@ -1,0 +1,304 @@
+"""Step-time model: what one optimizer step of a run takes, part by part, from the model's geometry, the levers, the
+parallel layout and a machine's constants.
+
+Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks sharing it):
+
+    forward     linear layers 2 T x params at the matmul rate; causal attention 2 x sum(doc^2) x heads x head_dim / sp
+                at the kernel's forward rate; norms, rotary and SwiGLU per token and width (fused or eager rates);
+                residual adds at HBM bandwidth; the Ulysses all-to-all of q, k, v and the output (sp > 1)
+    recompute   a checkpointed layer runs its forward again before its backward, without the attention kernel when
+                its outputs are kept (`--attn_recompute never`); an uncheckpointed layer (`--checkpoint_layers`) not
+                at all
+    backward    twice the linear FLOPs, 2.5x the attention FLOPs at the kernel's backward rate, the elementwise
+                backward, the all-to-all again; the tiled MLP runs its MLP forward once more
+    overlapped  the offload's copies (PCIe, side streams) and ZeRO-3's gathers and reduce-scatters (prefetched on
+                their own stream) cost only what they take beyond the layer's compute
+
+and per step the fused loss (6 x T x vocab x hidden at the loss rate), the optimizer (DeepSpeed's fused Adam on the
+GPU at HBM speed, or its CPU Adam on the host's cores) and a fixed overhead. The all-to-all runs on the compute
+stream and is not overlapped. Rates and bandwidths are `Constants`: H200 defaults fitted to the steps measured in
+docs/results (benchmarks/time_vs_measured.py prints the comparison; docs/time.md has it), or measured on the
+current machine by `python -m ulysses_train.plan --calibrate FILE` (tools/calibrate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..levers.policy import Levers
+
+KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
+
+
+@dataclass(frozen=True)
+class AttentionRates:
+    """A causal attention kernel's rates, TFLOP/s, counting 2 x tokens^2 x heads x head_dim per forward (the causal
+    half of the score and value products) and 2.5 times that per backward."""
+
+    fwd: float
+    bwd: float
+
+
+@dataclass(frozen=True)
+class ElementwiseCosts:
+    """Seconds per token per element of width, forward and backward: RMSNorms (width: hidden twice, and the q and k
+    heads in Qwen3), rotary (q and k heads), SwiGLU product (intermediate)."""
+
+    norm_fwd: float
+    norm_bwd: float
+    rotary_fwd: float
+    rotary_bwd: float
+    swiglu_fwd: float
+    swiglu_bwd: float
+
+
+# benchmarks/kernel_bench.py on the H200 at 131k tokens (docs/results/kernels_fused_vs_eager.json): each op's time
+# over tokens x its width; eager = the lean RMSNorm in PyTorch ops, transformers' rotary, silu(gate) * up
+H200_FUSED = ElementwiseCosts(norm_fwd=1.2e-12, norm_bwd=2.9e-12, rotary_fwd=1.2e-12, rotary_bwd=3.9e-12,
+                              swiglu_fwd=1.45e-12, swiglu_bwd=2.35e-12)
+H200_EAGER = ElementwiseCosts(norm_fwd=13.3e-12, norm_bwd=29.5e-12, rotary_fwd=26.8e-12, rotary_bwd=15.4e-12,
+                              swiglu_fwd=2.4e-12, swiglu_bwd=4.2e-12)
+
+
+def _h200_attention() -> dict:
+    # FA4: the in-step profiles (659-661 forward, 595-608 backward) and benchmarks/attn_bench.py (668, 599-613).
+    # cuDNN (what SDPA picks on the H200): the benchmark gives 554-602 and 518-538; in steps, fitted, 95% of the
+    # middle of that (the steps at 704k and 1M tokens, and every cuDNN step at 64k-131k, ran slower than the
+    # benchmark's one layer call). SDPA's FA2 backend: ~325 measured alone, not in a step.
+    return {"flash_attn_4": AttentionRates(fwd=660.0, bwd=600.0), "sdpa": AttentionRates(fwd=546.0, bwd=504.0),
+            "flash_attn": AttentionRates(fwd=325.0, bwd=325.0)}
+
+
+@dataclass(frozen=True)
+class Constants:
+    """A machine's rates and bandwidths. The defaults are one H200 in an 8-GPU NVLink 4 node with 400 Gb/s
+    InfiniBand per GPU, fitted to the measured steps where those exist (docs/time.md) and set from the hardware's
+    published figures where they do not (said per field)."""
+
+    name: str = "H200 (defaults fitted to docs/results)"
+    """Where the constants come from."""
+    matmul_tflops: float = 725.0
+    """bf16 TFLOP/s the layers' linear layers reach in a step: the profiled matmul kernels at 64k and 131k ran 88-92%
+    of the 800-810 TFLOP/s ceiling measured beside them."""
+    moe_matmul_efficiency: float = 0.5
+    """Share of `matmul_tflops` that MoE experts reach (transformers runs them one expert at a time, with a gather
+    and a scatter of the tokens): not measured, an assumption."""
+    attention: dict = field(default_factory=_h200_attention)
+    """Kernel name (--attn_kernel) -> AttentionRates."""
+    loss_tflops: float = 350.0
+    """The fused loss, over 6 x tokens x vocabulary x hidden: 0.44 s at 64k and 0.89 s at 131k in the profiles
+    (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows)."""
+    fused: ElementwiseCosts = H200_FUSED
+    """Our Triton norms, rotary and SwiGLU (--fused_kernels)."""
+    eager: ElementwiseCosts = H200_EAGER
+    """The PyTorch ops they replace."""
+    eager_in_step: float = 0.75
+    """What the eager ops take inside a step against their cost alone: the fused kernels saved 1.51 s of a 64k
+    step where the ops alone differ by 2.04 s (docs/benchmarks.md); fitted on the eager steps."""
+    hbm_tb_s: float = 3.0
+    """Bandwidth of plain copies and adds (residual adds, the all-to-all's layout copies, k and v copied to every
+    head, a MoE's token gathers), TB/s; H200 HBM3e is 4.8 peak."""
+    adam_gb_s: float = 660.0
+    """DeepSpeed's fused Adam on the GPU, bytes of states read and written per second (14 bytes per parameter with
+    bf16 states, 28 with fp32 masters): 0.085 s for the 4.0B parameters of Qwen3-4B with bf16 states."""
+    cpu_adam_params_per_s: float = 1.72e9
+    """DeepSpeed's CPU Adam on one host (all its cores; 16 here), parameters per second: 2.33 s for 4.0B."""
+    pcie_gb_s: float = 55.0
+    """Host <-> GPU copies of the offload, per GPU and direction, GB/s: 63.4 GB in 1.16 s at 64k, 126.8 in 2.29 s
+    at 131k (profiled; PCIe 5 x16)."""
+    host_gb_s: float = 400.0
+    """Host memory bandwidth one node's GPUs share for the offload, GB/s (not measured: 8 x PCIe 5, about what two
+    sockets of DDR5 give)."""
+    nvlink_gb_s: float = 300.0
+    """All-to-all and ZeRO-3 collectives inside a node, bytes each GPU sends per second, GB/s: two thirds of NVLink
+    4's 450 per direction, what NCCL's all-to-all is commonly reported to reach. Not measured here: the two-GPU
+    runs spend under 2% of their step in it, too little to pin it (`--calibrate` under torchrun measures it)."""
+    network_gb_s: float = 45.0
+    """The same between nodes, per GPU (one 400 Gb/s InfiniBand NIC per GPU: 50 GB/s; not measured)."""
+    gpus_per_node: int = 8
+    """GPUs sharing a node's NVLink and host."""
+    step_overhead_s: float = 0.05
+    """Per step: the engine's bookkeeping, gradient norm, the loss's all-reduce; fitted."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict) -> "Constants":
+        values = {k: v for k, v in values.items() if k != "measured"}  # calibrate.py's note of what it measured
+        if "attention" in values:
+            values["attention"] = {k: AttentionRates(**v) for k, v in values["attention"].items()}
+        for name in ("fused", "eager"):
+            if name in values:
+                values[name] = ElementwiseCosts(**values[name])
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown constants: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: Optional[str]) -> "Constants":
+        if path is None:
+            return cls()
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run as the model sees it."""
+
+    g: dict  # model/geometry.py
+    seq_len: int
+    gpus: int
+    sp: int
+    levers: Levers
+    kernel: str = "flash_attn_4"  # the attention kernel that runs (not `auto`)
+    micro: int = 1  # sequences per SP group per micro-step
+    accum: int = 1  # micro-steps per optimizer step
+    zero_stage: int = 3
+    docs: Optional[tuple] = None  # per sequence of a micro-batch, its packed documents' lengths; None: one each
+    act_bytes: int = 2
+
+
+def _attention_flops(run: Run) -> float:
+    """Forward FLOPs of one layer's causal attention on one rank: its heads/sp over every sequence of the batch."""
+    docs = run.docs or tuple((run.seq_len,) for _ in range(run.micro))
+    squares = sum(n * n for sequence in docs for n in sequence)
+    return 2 * squares * run.g["attn_width"] / run.sp
+
+
+def _collective_gb_s(ranks: int, c: Constants) -> float:
+    """What each rank moves per second in a collective over `ranks` GPUs: NVLink inside a node, the network past it."""
+    return c.nvlink_gb_s if ranks <= c.gpus_per_node else c.network_gb_s
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Seconds of one layer's work on one rank, per pass: what the forward, the recompute and the backward add up."""
+
+    linear_fwd: float  # the linear layers' forward (the backward is twice it)
+    mlp_fwd: float  # its MLP part (the tiled MLP runs it once more in the backward)
+    attn_fwd: float
+    attn_bwd: float
+    elem_fwd: float  # norms, rotary, SwiGLU, residual adds and copies
+    elem_bwd: float
+    swiglu_fwd: float  # its SwiGLU part
+    a2a: float  # the Ulysses all-to-all of one pass, with its layout copies
+
+
+def _elementwise(run: Run, c: Constants, t: int) -> tuple[float, float, float]:
+    """(forward, backward, SwiGLU forward) seconds of a layer's elementwise ops: our fused kernels replace the norms
+    and rotary everywhere and the SwiGLU of dense MLPs; the eager ops run at `eager_in_step` of their cost alone."""
+    g, lv, b = run.g, run.levers, run.act_bytes
+    eager = dataclasses.replace(c.eager, **{k: v * c.eager_in_step for k, v in dataclasses.asdict(c.eager).items()})
+    norm, rot, swi = (c.fused, c.fused, eager if g["experts"] else c.fused) if lv.fused_kernels else (eager,) * 3
+    norm_w = 2 * g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"]  # hidden twice; Qwen3's q, k
+    rot_w, swi_w = g["attn_width"] + g["kv_width"], g["inter"]
+    copies = 6 * t * g["hidden"] * b  # two residual adds: read two H-wide tensors, write one
+    if not lv.gqa_native:  # k and v copied to every query head, and their gradients summed back
+        copies += 2 * t * (g["attn_width"] - g["kv_width"]) * b
+    if g["experts"]:  # each token's hidden state gathered for its experts and their outputs added back
+        copies += 2 * t * g["experts_per_token"] * g["hidden"] * b
+    copy_s = copies / (c.hbm_tb_s * 1e12)
+    fwd = t * (norm_w * norm.norm_fwd + rot_w * rot.rotary_fwd + swi_w * swi.swiglu_fwd) + copy_s
+    bwd = t * (norm_w * norm.norm_bwd + rot_w * rot.rotary_bwd + swi_w * swi.swiglu_bwd) + copy_s
+    return fwd, bwd, t * swi_w * swi.swiglu_fwd
+
+
+def _pass(run: Run, c: Constants) -> _Pass:
+    g, b = run.g, run.act_bytes
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    rate = c.matmul_tflops * 1e12
+    mlp_fwd = 2 * t * g["mlp_matmul_params"] / (rate * (c.moe_matmul_efficiency if g["experts"] else 1.0))
+    linear_fwd = 2 * t * (g["matmul_params"] - g["mlp_matmul_params"]) / rate + mlp_fwd
+    rates, flops = c.attention[run.kernel], _attention_flops(run)
+    elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t)
+    a2a = 0.0
+    if run.sp > 1:  # q, k, v (KV heads replicated up to sp) out, the output back
+        sent = t * (2 * g["attn_width"] + 2 * max(g["kv"], run.sp) * g["head_dim"]) * b
+        a2a = sent * (run.sp - 1) / run.sp / (_a2a_gb_s(run, c) * 1e9) + 2 * sent / (c.hbm_tb_s * 1e12)
+    return _Pass(linear_fwd, mlp_fwd, flops / (rates.fwd * 1e12), 2.5 * flops / (rates.bwd * 1e12), elem_fwd,
+                 elem_bwd, swiglu_fwd, a2a)
+
+
+def _layer(run: Run, c: Constants, p: _Pass, checkpointed: bool) -> dict:
+    """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
+    the overlapped copies and collectives."""
+    g, lv, b = run.g, run.levers, run.act_bytes
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
+    forward = p.linear_fwd + p.attn_fwd + p.elem_fwd + p.a2a
+    recompute = (p.linear_fwd + (0 if lv.keep_attention else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
+    backward = 2 * p.linear_fwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled else 0)
+    # overlapped: the offload's copies of a checkpointed layer's input and kept outputs (out in the forward, back in
+    # the backward); ZeRO-3's gathers (forward, recompute, backward) and the gradients' reduce-scatter
+    host = 0.0
+    if lv.offload_activations and checkpointed:
+        per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
+        saved = t * g["hidden"] * b + (t * (g["attn_width"] * b + g["heads"] * 4) if lv.keep_attention else 0)
+        host = saved / per_gpu
+    share = 2 * g["layer_params"] * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
+    gather = share if run.zero_stage == 3 else 0.0
+    reduce = share if run.zero_stage >= 2 else 0.0
+    return {"matmul": p.linear_fwd * (4 if checkpointed else 3) + (p.mlp_fwd if tiled else 0),
+            "attention": p.attn_fwd * (2 if checkpointed and not lv.keep_attention else 1) + p.attn_bwd,
+            "elementwise": p.elem_fwd * (2 if checkpointed else 1) + p.elem_bwd + (p.swiglu_fwd if tiled else 0),
+            "all-to-all": p.a2a * (3 if checkpointed else 2),
+            "forward": max(forward, host, gather),
+            "backward": max(recompute + backward, host, gather * (2 if checkpointed else 1) + reduce),
+            "host copies": 2 * host, "zero-3": gather * (3 if checkpointed else 2) + reduce}
+
+
+def _a2a_gb_s(run: Run, c: Constants) -> float:
+    """The all-to-all's rate per rank: NVLink while the SP group stays in a node; past it, the share of each rank's
+    data that crosses the network sets the pace."""
+    if run.sp <= c.gpus_per_node:
+        return c.nvlink_gb_s
+    off_node = (run.sp - c.gpus_per_node) / (run.sp - 1)  # of the data a rank sends, the part to other nodes
+    return min(c.nvlink_gb_s / (1 - off_node), c.network_gb_s / off_node)
+
+
+def optimizer_seconds(run: Run, c: Constants) -> float:
+    """The optimizer step of one rank: its partition of the parameters (ZeRO partitions the states over all GPUs)."""
+    lv, params = run.levers, run.g["params"]
+    share = params / run.gpus if run.zero_stage >= 1 else params
+    if lv.offload_optimizer:  # the host's cores run every local rank's partition; gradients down, weights up
+        ranks_per_host = min(run.gpus, c.gpus_per_node)
+        return share * ranks_per_host / c.cpu_adam_params_per_s + share * 4 / (c.pcie_gb_s * 1e9)
+    state_bytes = 14 if lv.bf16_states else 28
+    return share * state_bytes / (c.adam_gb_s * 1e9)
+
+
+def step_time(run: Run, c: Constants = Constants()) -> dict:
+    """Seconds of one optimizer step: `total`, and per part (compute seconds of each kind; `exposed` copies and
+    collectives, what they add beyond the compute they overlap)."""
+    g, lv = run.g, run.levers
+    n_ckpt, p = lv.checkpointed(g["layers"]), _pass(run, c)
+    layers = [(n_ckpt, _layer(run, c, p, True)), (g["layers"] - n_ckpt, _layer(run, c, p, False))]
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    loss = 6 * t * g["vocab"] * g["hidden"] / (c.loss_tflops * 1e12)
+    parts = {k: 0.0 for k in ("matmul", "attention", "elementwise", "all-to-all")}
+    wall = loss
+    hidden_comm = {"host copies": 0.0, "zero-3": 0.0}
+    for count, layer in layers:
+        for k in parts:
+            parts[k] += count * layer[k]
+        for k in hidden_comm:
+            hidden_comm[k] += count * layer[k]
+        wall += count * (layer["forward"] + layer["backward"])
+    compute = sum(parts.values()) + loss
+    parts["loss"] = loss
+    micro_step = wall
+    parts = {k: v * run.accum for k, v in parts.items()}
+    parts["exposed copies and collectives"] = max(0.0, micro_step - compute) * run.accum
+    parts["optimizer"] = optimizer_seconds(run, c)
+    parts["overhead"] = c.step_overhead_s
+    total = micro_step * run.accum + parts["optimizer"] + parts["overhead"]
+    communication = parts["all-to-all"] + parts["exposed copies and collectives"]
+    return {"total": total, "parts": parts, "communication_share": communication / total,
+            "overlapped": {k: v * run.accum for k, v in hidden_comm.items()}}
