@@ -132,3 +132,22 @@ def test_plan_of_a_command_is_the_trainers_run(capsys):
     assert "fastest that fit on 1 GPU(s)" in capsys.readouterr().out
     assert main(["--gpus", "1", "--", "--model_config", "qwen3-4b", "--seq_len", "0"]) == 2
     assert capsys.readouterr().err == "error: --seq_len must be positive, got 0\n"
+
+
+def test_plan_of_a_command_with_a_ring(tmp_path, capsys):
+    """A command with --ring_size is planned with its ring (28 heads at SP 8 = Ulysses 4 x ring 2): the ring's
+    buffers are in the memory, and the report says the time model leaves its sends out."""
+    from transformers import AutoConfig
+
+    from ulysses_train.tools.plan import estimate, main
+
+    config = AutoConfig.for_model("qwen2", vocab_size=1024, hidden_size=28 * 16, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)
+    config.save_pretrained(tmp_path)
+    flags = ["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--sp_size", "8"]
+    assert main(["--gpus", "8", "--"] + flags + ["--ring_size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ring buffers" in out and estimate(geometry(config), 65536, 8, 8, Levers(), ring=2)["gpu"]["ring buffers"]
+    assert "--ring_size 2: the ring's memory is counted" in out
+    assert main(["--gpus", "8", "--"] + flags + ["--ring_size", "1"]) == 2
+    assert "--sp_size 8 must divide" in capsys.readouterr().err

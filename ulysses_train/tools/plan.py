@@ -390,7 +390,9 @@ def _main(argv=None) -> int:
     if train_argv is not None:
         from . import plan_command
 
-        a.seq_len = a.seq_len or 1  # the command gives the length
+        if a.ring_size != "auto":
+            p.error("with a command, give --ring_size among its flags (after --)")
+        a.seq_len, a.ring_size = a.seq_len or 1, None  # the command gives the length and the ring
         check_numbers(a)
         return plan_command.main(a, train_argv)
     if a.fastest:
