@@ -33,20 +33,18 @@ SFT_DATA_ARGS = ["--count", "12", "--min_chars", "30000", "--max_chars", "120000
 
 def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     """Per step (1-based, in order) the document lengths of its sample, padding last, as the trainer packs them:
-    its config parser and data path (train/trainer.py), without a model or a process group."""
+    its config parser and data loader (data/load.py), without a model or a process group."""
+    from ulysses_train.data.load import _Loader
     from ulysses_train.data.sources import build_batch, global_sample_index, sample_order
     from ulysses_train.train.config import parse_args
-    from ulysses_train.train.trainer import Trainer
 
     argv = list(argv)
     i = argv.index("--dataset")
     argv[i + 1] = os.path.join(data_dir, os.path.basename(argv[i + 1]))
     cfg, _ = parse_args(argv + ["--data_cache_dir", os.path.join(data_dir, "cache")])
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.seq_len = cfg, cfg.seq_len
-    trainer.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
-    trainer.log = lambda message: None
-    loaded = trainer._try_load_corpus()
+    vocab = load_model_config(cfg.model, cfg.model_config, cfg.num_layers).vocab_size
+    loaded = _Loader(cfg, cfg.dataset, cfg.dataset_split, cfg.seq_len, vocab, lambda message: None,
+                     "dataset").load()
     if isinstance(loaded, str):
         raise RuntimeError(loaded)
     _, source = loaded
