@@ -135,35 +135,44 @@ def geometry_4b():
     return geometry(load_model_config(None, "qwen3-4b", None))
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_saved_bytes_match_cpu_allocations(keep):
-    """What a checkpointed forward leaves alive for the backward, per token, equals the planner's checkpoints plus
-    kept attention outputs (fp32 here): measured as the growth between two lengths, so constants cancel."""
+def _alive_bytes_per_token(model) -> float:
+    """Bytes a forward of the decoder layers leaves alive for the backward, per token: the growth between 256 and
+    512 tokens, counted at every allocation and free on CPU, so constants cancel. The last layer's output stands for
+    the next layer's input."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.model.surgery import enable_checkpointing
     from ulysses_train.train.memory_profile import MemoryTimeline
 
-    config = tiny_config("qwen3")
-    register_ulysses_attention(None, "sdpa")
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses").train()
-    enable_checkpointing(model, keep, None)
     decoder = model.get_decoder()
     alive, outputs = {}, []
     for t in (256, 512):
-        x = torch.randn(1, t, config.hidden_size, requires_grad=True)
+        x = torch.randn(1, t, model.config.hidden_size, requires_grad=True)
         positions = torch.arange(t)[None]
         rotary = decoder.rotary_emb(x, positions)
-        with MemoryTimeline("cpu") as tracker:  # counts every allocation an op makes, and its free
+        with MemoryTimeline("cpu") as tracker:
             h = x
             for layer in decoder.layers:
                 h = layer(h, position_embeddings=rotary, position_ids=positions)
                 h = h[0] if isinstance(h, tuple) else h
             alive[t] = tracker.live_bytes()
         outputs.append(h)  # keep the graph (and what it saved) alive until measured
-    per_token = (alive[512] - alive[256]) / 256
+    return (alive[512] - alive[256]) / 256
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_saved_bytes_match_cpu_allocations(keep):
+    """What a checkpointed forward leaves alive for the backward, per token, equals the planner's checkpoints plus
+    kept attention outputs (fp32 here): measured as the growth between two lengths, so constants cancel."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.model.surgery import enable_checkpointing
+
+    config = tiny_config("qwen3")
+    register_ulysses_attention(None, "sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses").train()
+    enable_checkpointing(model, keep, None)
+    per_token = _alive_bytes_per_token(model)
     g = geometry(config)
     e = estimate(g, seq_len=1, gpus=1, sp=1, levers=Levers(keep_attention=keep), act_bytes=4)
     planned = e["gpu"]["checkpoints"] + e["gpu"]["kept attention"]  # per token, as seq_len is 1
@@ -261,13 +270,11 @@ def test_uncheckpointed_layer_bytes_match_cpu_allocations(lean, tiled):
     """What a layer that is not checkpointed (`--checkpoint_layers`) leaves alive for its backward, counted at every
     allocation on CPU (fp32, SDPA), equals tools/layer_activations.py's count, with and without the lean norms and
     the tiled MLP: the planner's memory for the layers it does not checkpoint."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.model.surgery import enable_tiled_mlp, install_lean_norms
     from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.tools.layer_activations import kept_layer_bytes
-    from ulysses_train.train.memory_profile import MemoryTimeline
 
     config = tiny_config("qwen3")
     register_ulysses_attention(None, "sdpa")
@@ -276,20 +283,7 @@ def test_uncheckpointed_layer_bytes_match_cpu_allocations(lean, tiled):
         install_lean_norms(model)
     if tiled:
         enable_tiled_mlp(model, tile_tokens=100)
-    decoder = model.get_decoder()
-    alive, outputs = {}, []
-    for t in (256, 512):
-        x = torch.randn(1, t, config.hidden_size, requires_grad=True)
-        positions = torch.arange(t)[None]
-        rotary = decoder.rotary_emb(x, positions)
-        with MemoryTimeline("cpu") as tracker:
-            h = x
-            for layer in decoder.layers:  # the last layer's output stands for the next layer's input
-                h = layer(h, position_embeddings=rotary, position_ids=positions)
-                h = h[0] if isinstance(h, tuple) else h
-            alive[t] = tracker.live_bytes()
-        outputs.append(h)
-    per_token = (alive[512] - alive[256]) / 256 / config.num_hidden_layers
+    per_token = _alive_bytes_per_token(model) / config.num_hidden_layers
     planned = kept_layer_bytes(geometry(config), 1, 4, Levers(lean_norm=lean, tiled_mlp=tiled))
     assert per_token == pytest.approx(planned, rel=0.02)
 
