@@ -18,3 +18,9 @@ TINY = {
 
 def tiny_config(family: str):
     return AutoConfig.for_model(family, **TINY[family])
+
+
+def qwen2_28_heads_config():
+    """Qwen2.5-7B's head layout (28 query heads, 4 KV heads) at a tiny width: SP 8 needs a ring (Ulysses 4 x 2)."""
+    return AutoConfig.for_model("qwen2", vocab_size=1024, hidden_size=28 * 16, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)

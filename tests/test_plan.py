@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.models import tiny_config
+from tests.models import qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, Levers
 from ulysses_train.model.geometry import geometry
 from ulysses_train.sp.dims import valid_sp_sizes
@@ -245,12 +245,9 @@ def test_ring_buffers_and_traffic_by_hand():
 
 def test_planner_proposes_a_ring_where_heads_forbid_ulysses(tmp_path, capsys):
     """28 heads and 4 KV heads (Qwen2.5-7B's layout) on 8 GPUs: SP 8 is Ulysses 4 x ring 2."""
-    from transformers import AutoConfig
-
     from ulysses_train.tools.plan import sp_plans
 
-    config = AutoConfig.for_model("qwen2", vocab_size=1024, hidden_size=28 * 16, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)
+    config = qwen2_28_heads_config()
     config.save_pretrained(tmp_path)
     g = geometry(config)
     assert sp_plans(g, 8) == [(1, 1), (2, 1), (4, 1), (8, 2)]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.models import tiny_config
+from tests.models import qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, LeverRequest, Levers, resolve_levers
 from ulysses_train.model.geometry import geometry
 from ulysses_train.tools.time_model import AttentionRates, Constants, ElementwiseCosts, Run, step_time
@@ -137,12 +137,9 @@ def test_plan_of_a_command_is_the_trainers_run(capsys):
 def test_plan_of_a_command_with_a_ring(tmp_path, capsys):
     """A command with --ring_size is planned with its ring (28 heads at SP 8 = Ulysses 4 x ring 2): the ring's
     buffers are in the memory, and the report says the time model leaves its sends out."""
-    from transformers import AutoConfig
-
     from ulysses_train.tools.plan import estimate, main
 
-    config = AutoConfig.for_model("qwen2", vocab_size=1024, hidden_size=28 * 16, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)
+    config = qwen2_28_heads_config()
     config.save_pretrained(tmp_path)
     flags = ["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--sp_size", "8"]
     assert main(["--gpus", "8", "--"] + flags + ["--ring_size", "2"]) == 0
