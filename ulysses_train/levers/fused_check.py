@@ -12,7 +12,8 @@ import torch
 from .fused_kernels import RotaryFunction, SiLUMulFunction, rms_norm
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in fp64 (a zero reference counts as tiny, so any difference shows)."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
@@ -49,7 +50,7 @@ def self_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
             pairs = zip((got, *torch.autograd.grad(got, leaves, grad)),
                         (want, *torch.autograd.grad(want, leaves, grad)))
             for what, (a, b) in zip(("output", *(f"gradient {i}" for i in range(len(leaves)))), pairs):
-                err = _rel_err(a, b)
+                err = rel_err(a, b)
                 if not err <= tol:  # NaN fails too
                     return f"{name}'s {what} differs from PyTorch's by {err:.1e} (tolerance {tol:.0e})"
     except Exception as e:  # a kernel that does not compile or launch here

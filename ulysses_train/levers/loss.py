@@ -7,8 +7,8 @@ values add up to the true mean. A rank (or a whole batch) with no valid token co
 The fused loss must (1) take its gradient in the forward, so backward never recomputes logits (TRL's chunked loss
 recomputes them), (2) run inside the LM head module's own forward so that ZeRO-3 gathers the (possibly tied) head
 weight and reduces its gradient, and (3) share the SP normaliser. Two kernels do (1), chosen by `--loss_kernel`
-(levers/policy.py): Liger-Kernel's fused linear cross-entropy, the default on CUDA (1.7x faster than ours on the
-H200, docs/benchmarks.md), and ours below, which runs everywhere (the CPU included) and whose chunk size is
+(levers/policy.py): Liger-Kernel's fused linear cross-entropy, the default on CUDA (its kernel 1.7x faster than ours
+on the H200, docs/benchmarks.md), and ours below, which runs everywhere (the CPU included) and whose chunk size is
 `--loss_chunk_size`. Both run inside `LMHeadWithLoss.forward` for (2), and Liger's sums (reduction "sum") are
 divided by our normaliser for (3).
 """
@@ -184,11 +184,12 @@ def liger_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """Why Liger's loss cannot train on `device` in this process, or None: it needs CUDA (or, for tests, the CPU
     under Triton's interpreter), must import, and must agree with ours, loss and both gradients, on a small case
     with several chunks (a partial one) and ignored labels (to 1e-5 in fp32, 3e-2 relative in bf16)."""
-    from .fused_kernels import interpreting
+    from .fused_check import rel_err
+    from .fused_kernels import kernels_run_on
 
     if not liger_installed():
         return "liger-kernel is not installed (pip install liger-kernel)"
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+    if not kernels_run_on(device):  # Liger's kernels are Triton kernels too
         return f"it runs on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(40, 32, generator=g), torch.randn(100, 32, generator=g)
@@ -206,7 +207,7 @@ def liger_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for what, got, want in zip(("loss", "hidden's gradient", "weight's gradient"), *results):
-        err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+        err = rel_err(got, want)
         if not err <= tol:  # NaN fails too
             return f"its {what} differs from ours by {err:.1e} (tolerance {tol:.0e})"
     return None
