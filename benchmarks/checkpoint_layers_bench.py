@@ -12,7 +12,8 @@ prints a table last. `--dry_run` prints the plans without running anything (it n
     ckpt_131k_auto           131k, --checkpoint_layers auto (tiled MLP as `auto` decides: on)
     ckpt_64k_auto_no_offload 64k, --checkpoint_layers auto without the offload (kept outputs on the GPU)
 
-Compare with the all-layers runs of docs/benchmarks.md: 10.79 s at 64k, 36.54 s at 131k (35.93 untiled)."""
+Compare with the all-layers runs of docs/benchmarks.md: 10.78 s at 64k, 36.61 s at 131k (35.93 untiled, our loss);
+the measured table is in docs/benchmarks.md, "Partial checkpointing"."""
 
 from __future__ import annotations
 

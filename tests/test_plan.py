@@ -304,3 +304,30 @@ def test_partial_checkpointing_by_hand():
     # fp32 per row: 2 + heads + kv for the norms, heads for the log-sum-exp
     assert kept_layer_bytes(g, 1, 2, Levers(fused_kernels=True)) == (4 * 64 + 96 + 64 + 64 + 64 + 3 * 128) * 2 \
         + 4 * (2 + 8 + 4 + 8)
+
+
+def test_uncheckpointed_layers_peak_at_the_loss_or_their_own_backward_not_under_a_recompute():
+    """With layers left uncheckpointed the peak is their activations plus the larger of the loss and their own
+    backward's gradients (they are freed before any recompute starts), or the layer working set of a checkpointed
+    layer's recompute, whichever is larger; by hand on a tiny config (H 64, A 64, KV' 32 of 4 heads, I 128)."""
+    from ulysses_train.tools.layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
+
+    g, t, b = geometry(tiny_config("qwen3")), 1024, 2
+    # the gradients of the layer's hidden states (2 H) and the larger of attention's (dq, dk, dv: A + 2 KV' in bf16
+    # and an fp32 dq accumulator, A) and the MLP's (d product, d gate, d up: 3 I with the fused SwiGLU, 4 I without)
+    assert uncheckpointed_backward_bytes(g, t, b, Levers()) == t * b * (2 * 64 + max(64 + 2 * 32 + 2 * 64, 4 * 128))
+    assert uncheckpointed_backward_bytes(g, t, b, Levers(fused_kernels=True)) == t * b * (2 * 64 + 3 * 128)
+    tiled = Levers(tiled_mlp=True)  # the MLP's gradients of one 16,384-token tile at a time
+    assert uncheckpointed_backward_bytes(g, 65536, b, tiled) == 65536 * b * (2 * 64 + 64 + 2 * 32 + 2 * 64)
+    t = 65536  # the layer working set outgrows the loss (the loss stays at its chunk), as at 64k on the H200
+    full = estimate(g, t, 1, 1, Levers())
+    assert full["gpu"]["layer working set"] > full["gpu"]["loss"]
+    for levers, kept in ((Levers(checkpoint_layers=1), 1), (Levers(checkpointing=False, keep_attention=False), 2)):
+        part = estimate(g, t, 1, 1, levers)
+        layers = kept * kept_layer_bytes(g, t, b, levers)
+        transient = max(part["gpu"]["layer working set"],
+                        layers + max(part["gpu"]["loss"], uncheckpointed_backward_bytes(g, t, b, levers)))
+        expected = (full["gpu_total"] - full["gpu"]["checkpoints"] - full["gpu"]["kept attention"]
+                    - max(full["gpu"]["layer working set"], full["gpu"]["loss"])
+                    + part["gpu"]["checkpoints"] + part["gpu"]["kept attention"] + transient)
+        assert part["gpu_total"] == pytest.approx(expected)

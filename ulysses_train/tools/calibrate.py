@@ -26,10 +26,12 @@ import torch
 from .time_model import AttentionRates, Constants
 
 # the layers' linear layers ran at 88-92% of the square-matmul ceiling in the profiled H200 steps, and the fused loss
-# (LM-head matmuls with the softmax between) at 43% of it (time_model.py): the same shares are applied here
+# (LM-head matmuls with the softmax between) at 43% of it with our kernel and 67% with Liger-Kernel's
+# (time_model.py): the same shares are applied here
 H200_CEILING = 808.0
 MATMUL_IN_STEP = Constants().matmul_tflops / H200_CEILING
 LOSS_IN_STEP = Constants().loss_tflops / H200_CEILING
+LIGER_LOSS_IN_STEP = Constants().liger_loss_tflops / H200_CEILING
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -110,8 +112,9 @@ def calibrate(path: str, log=print) -> Constants:
     measured, values = [], {}
     ceiling = matmul_tflops(device)
     values["matmul_tflops"], values["loss_tflops"] = ceiling * MATMUL_IN_STEP, ceiling * LOSS_IN_STEP
+    values["liger_loss_tflops"] = ceiling * LIGER_LOSS_IN_STEP
     measured.append(f"matmul ({ceiling:.3g} TFLOP/s square; x {MATMUL_IN_STEP:.2f} in a step, x {LOSS_IN_STEP:.2f} "
-                    f"for the fused loss)")
+                    f"for our fused loss, x {LIGER_LOSS_IN_STEP:.2f} for Liger-Kernel's)")
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
     kernel = resolve_kernel("auto", device.type, device.type == "cuda", capability)
     rates = attention_rates(device, kernel)

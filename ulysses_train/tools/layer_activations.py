@@ -37,3 +37,17 @@ def kept_layer_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1) 
     row_floats = 2 + (g["heads"] + g["kv"]) * g["qk_norm"] + g["heads"]  # norms' fp32 per row, log-sum-exp
     norm_copies = 0 if levers.lean_norm else 2 * g["hidden"] + qk_norm
     return tokens * (elements * act_bytes + 4 * (row_floats + norm_copies))
+
+
+def uncheckpointed_backward_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1,
+                                 tile_tokens: int = 16384) -> float:
+    """Bytes an uncheckpointed layer's backward allocates on top of what it keeps: the gradients of its hidden
+    states (in and out), and the larger of attention's (dq, dk, dv as the kernel gets them, and an fp32 dq
+    accumulator) and the MLP's (the product's, gate's and up's gradients, one tile at a time with the tiled MLP;
+    silu(gate)'s too without the fused SwiGLU). No recompute: that is the layer working set of a checkpointed layer,
+    which runs only after every uncheckpointed layer has freed its activations."""
+    kernel_kv = max(g["kv"], sp) * g["head_dim"] if levers.gqa_native else g["attn_width"]
+    attention = tokens * ((g["attn_width"] + 2 * kernel_kv) * act_bytes + g["attn_width"] * 4)
+    mlp_rows = min(tokens, tile_tokens) if levers.tiled_mlp else tokens
+    mlp = (3 if levers.fused_kernels else 4) * mlp_rows * g["inter"] * act_bytes
+    return 2 * tokens * g["hidden"] * act_bytes + max(attention, mlp)

@@ -29,7 +29,7 @@ from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_by
 from ..model.geometry import geometry
 from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
 from ..train.config import ring_size_number
-from .layer_activations import kept_layer_bytes
+from .layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
 from ..train.ds_config import lever_choices, load_ds_config
 
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
@@ -153,9 +153,14 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     if whole_layers:
         gpu["uncheckpointed layers"] = whole_layers
     # the loss runs at the end of the forward, the layer working set in the backward: never both at once. The
-    # uncheckpointed layers' activations are all alive at the loss; counted with a whole layer working set on top
-    # (their own backward needs less: conservative until measured)
-    transient = max(layer + a2a + ring_buffers, loss) + whole_layers
+    # uncheckpointed layers (the last ones) hold their activations through the loss and their own backward, and
+    # have freed them by the first recompute (measured on the H200 at 64k and 131k: docs/memory.md)
+    transient = layer + a2a + ring_buffers
+    if whole_layers:
+        own_backward = uncheckpointed_backward_bytes(g, t, b, levers, sp, tile_tokens) + a2a + ring_buffers
+        transient = max(transient, whole_layers + max(loss, own_backward))
+    else:
+        transient = max(transient, loss)
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,

@@ -91,7 +91,11 @@ class Constants:
     """Kernel name (--attn_kernel) -> AttentionRates."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: 0.44 s at 64k and 0.89 s at 131k in the profiles
-    (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows)."""
+    (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows). Our kernel (--loss_kernel ours)."""
+    liger_loss_tflops: float = 540.0
+    """Liger-Kernel's fused linear cross-entropy (--loss_kernel liger, the CUDA default), the same FLOPs: fitted to
+    the steps it shortened, 0.12 s at 64k and 0.34 s at 131k against ours (480 and 573 TFLOP/s in-step;
+    benchmarks/kernel_bench.py: 622 alone)."""
     fused: ElementwiseCosts = H200_FUSED
     """Our Triton norms, rotary and SwiGLU (--fused_kernels)."""
     eager: ElementwiseCosts = H200_EAGER
@@ -281,7 +285,8 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     n_ckpt, p = lv.checkpointed(g["layers"]), _pass(run, c)
     layers = [(n_ckpt, _layer(run, c, p, True)), (g["layers"] - n_ckpt, _layer(run, c, p, False))]
     t = run.micro * math.ceil(run.seq_len / run.sp)
-    loss = 6 * t * g["vocab"] * g["hidden"] / (c.loss_tflops * 1e12)
+    loss_tflops = c.liger_loss_tflops if lv.loss_kernel == "liger" else c.loss_tflops
+    loss = 6 * t * g["vocab"] * g["hidden"] / (loss_tflops * 1e12)
     parts = {k: 0.0 for k in ("matmul", "attention", "elementwise", "all-to-all")}
     wall = loss
     hidden_comm = {"host copies": 0.0, "zero-3": 0.0}
