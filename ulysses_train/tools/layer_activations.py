@@ -19,17 +19,22 @@ rank (b bytes each, the activation dtype):
 plus per row fp32: the four norms' (2 + heads + KV heads) and the log-sum-exp (heads). Without the lean norms each
 norm also keeps an fp32 copy of its input (4 bytes per element: 2H + A + KV). Rotary saves only cos and sin, shared
 by all layers. Checked on CPU by counting every allocation alive after a forward (tests/test_plan.py), with and
-without the lean norms, the fused kernels and the tiled MLP; on the H200 it is still to be checked against peaks.
+without the lean norms, the fused kernels and the tiled MLP; on the H200, solving three partial-checkpointing peaks
+for it gives 6.62, 13.50 and 6.29 GiB per layer where this counts 6.71, 13.41 and 6.29 (docs/memory.md).
 """
 
 from __future__ import annotations
 
 
+def _kernel_kv_width(g: dict, levers, sp: int) -> int:
+    """Width of k (and of v) as the attention kernel gets them: KV heads replicated up to sp (sp/attention.py), or
+    copied to every query head without native GQA."""
+    return max(g["kv"], sp) * g["head_dim"] if levers.gqa_native else g["attn_width"]
+
+
 def kept_layer_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1) -> float:
     """Bytes one rank keeps for the backward of one layer that is not checkpointed, `tokens` tokens on the rank."""
-    # k and v as the kernel gets them: KV heads replicated up to sp (sp/attention.py), or copied to every query
-    # head without native GQA
-    kernel_kv = max(g["kv"], sp) * g["head_dim"] if levers.gqa_native else g["attn_width"]
+    kernel_kv = _kernel_kv_width(g, levers, sp)
     qk_norm = g["attn_width"] + g["kv_width"] if g["qk_norm"] else 0
     mlp = 0 if levers.tiled_mlp else (3 if levers.fused_kernels else 4) * g["inter"]
     out = g["attn_width"] * (2 if sp > 1 else 1)
@@ -46,7 +51,7 @@ def uncheckpointed_backward_bytes(g: dict, tokens: int, act_bytes: int, levers, 
     accumulator) and the MLP's (the product's, gate's and up's gradients, one tile at a time with the tiled MLP;
     silu(gate)'s too without the fused SwiGLU). No recompute: that is the layer working set of a checkpointed layer,
     which runs only after every uncheckpointed layer has freed its activations."""
-    kernel_kv = max(g["kv"], sp) * g["head_dim"] if levers.gqa_native else g["attn_width"]
+    kernel_kv = _kernel_kv_width(g, levers, sp)
     attention = tokens * ((g["attn_width"] + 2 * kernel_kv) * act_bytes + g["attn_width"] * 4)
     mlp_rows = min(tokens, tile_tokens) if levers.tiled_mlp else tokens
     mlp = (3 if levers.fused_kernels else 4) * mlp_rows * g["inter"] * act_bytes

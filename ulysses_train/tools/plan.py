@@ -155,12 +155,10 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # the loss runs at the end of the forward, the layer working set in the backward: never both at once. The
     # uncheckpointed layers (the last ones) hold their activations through the loss and their own backward, and
     # have freed them by the first recompute (measured on the H200 at 64k and 131k: docs/memory.md)
-    transient = layer + a2a + ring_buffers
+    transient = max(layer + a2a + ring_buffers, loss)
     if whole_layers:
         own_backward = uncheckpointed_backward_bytes(g, t, b, levers, sp, tile_tokens) + a2a + ring_buffers
         transient = max(transient, whole_layers + max(loss, own_backward))
-    else:
-        transient = max(transient, loss)
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
