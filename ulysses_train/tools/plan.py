@@ -105,7 +105,8 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
     p2p = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes
     p2p_backward = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes + ring * kv_block * 4
     layers = g["layers"]
-    return {"all-to-all": layers * a2a * (forwards + 1), "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
+    return {"all-to-all": layers * a2a * (forwards + 1),
+            "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
 
 
 def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
@@ -351,13 +352,7 @@ def main(argv=None) -> int:
         return 2
 
 
-def _main(argv=None) -> int:
-    from ..model.build import load_model_config
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    train_argv = None
-    if "--" in argv:  # a command: the flags of launch/train.py after the planner's own (tools/plan_command.py)
-        argv, train_argv = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ulysses_train.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_config", default=None)
@@ -384,6 +379,17 @@ def _main(argv=None) -> int:
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure this machine's constants (matmul, attention kernel, host copies; all-to-all under "
                         "torchrun) into FILE, and exit")
+    return p
+
+
+def _main(argv=None) -> int:
+    from ..model.build import load_model_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_argv = None
+    if "--" in argv:  # a command: the flags of launch/train.py after the planner's own (tools/plan_command.py)
+        argv, train_argv = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    p = _parser()
     a = p.parse_args(argv)
     if a.calibrate:
         from .calibrate import calibrate
@@ -418,6 +424,12 @@ def _main(argv=None) -> int:
         print(f"longest sequence that fits: {a.seq_len:,} tokens")
     sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
                                   ds_choices)
+    return _report(a, g, ds_choices, sp, levers, est, tried)
+
+
+def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Optional[int], levers: Optional[Levers],
+            est: Optional[dict], tried: list) -> int:
+    """Prints the plan (or why nothing fits) for the command line, as a table or with --json; the exit status."""
     if a.json:
         print(json.dumps({"sp_size": sp, "ring_size": est and est["ring_size"],
                           "levers": levers and levers.flags(a.ds_config), "estimate": est}, default=str))
