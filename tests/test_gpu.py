@@ -413,3 +413,47 @@ def test_ring_over_nccl_matches_fp64_reference(kernel):
     for r in results:
         for name, ref in zip(("out", "dq", "dk", "dv"), want):
             assert _rel(r[name], ref[:, r["rows"]]) < 2e-2, name
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash_attn", "flash_attn_4"])
+@pytest.mark.parametrize("case", [dict(window=1024), dict(sinks=True), dict(window=128, sinks=True),
+                                  dict(softcap=50.0), dict(softcap=50.0, window=1024)], ids=lambda c: "+".join(c))
+def test_patterns_in_bf16_match_fp64_on_gpu(kernel, case):
+    """Windows, sinks and softcaps in each kernel that takes them (sp/support.py says which), bf16 against plain
+    attention in fp64, packed into two documents: the output and every gradient within bf16's error."""
+    from tests.test_patterns import _plain
+    import tests.test_patterns as tp
+    from ulysses_train.sp.kernels import KERNELS, kernel_available
+    from ulysses_train.sp.patterns import Pattern
+
+    if not kernel_available(kernel):
+        pytest.skip(f"{kernel} not installed")
+    if (kernel == "flash_attn" and case.get("sinks")) or (kernel == "sdpa" and case.get("softcap")):
+        pytest.skip("refused by the support check for this kernel on CUDA")
+    s, h, kv, d, docs = 4096, 8, 2, 128, [1536, 2560]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, h, s, d, device="cuda", generator=g)
+    k, v = (torch.randn(1, kv, s, d, device="cuda", generator=g) for _ in range(2))
+    sinks = torch.randn(h, device="cuda", generator=g) if case.get("sinks") else None
+    dout = torch.randn(1, s, h, d, device="cuda", generator=g)
+    saved = tp.S, tp.H, tp.KV, tp.SCALE
+    tp.S, tp.H, tp.KV, tp.SCALE = s, h, kv, d ** -0.5
+    try:
+        results = []
+        for dtype in (torch.float64, torch.bfloat16):
+            inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)] + (
+                [sinks.float().requires_grad_()] if sinks is not None else [])
+            sink = inputs[3] if sinks is not None else None
+            if dtype == torch.float64:
+                out = _plain(*inputs[:3], docs, case.get("window"), case.get("softcap"), sink.double()
+                             if sink is not None else None)
+            else:
+                out = KERNELS[kernel](*inputs[:3], d ** -0.5, [docs], Pattern(case.get("window"),
+                                                                              case.get("softcap"), sink))
+            results.append((out, torch.autograd.grad(out, inputs, dout.to(dtype))))
+    finally:
+        tp.S, tp.H, tp.KV, tp.SCALE = saved
+    (want, want_grads), (got, got_grads) = results
+    assert _rel(got, want) < 1e-2
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got_grads, want_grads):
+        assert _rel(a, b) < 2e-2, name

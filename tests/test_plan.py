@@ -1,8 +1,11 @@
 """The planner's arithmetic on a small config, checked against values computed by hand here."""
 
+import inspect
 import re
 
 import pytest
+
+from transformers import AutoConfig
 
 from tests.models import qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, Levers
@@ -144,11 +147,14 @@ def _alive_bytes_per_token(model) -> float:
     from ulysses_train.train.memory_profile import MemoryTimeline
 
     decoder = model.get_decoder()
+    # Gemma's rotary embedding is per layer type (the tests' Gemma layers are all full attention)
+    layer_type = ("full_attention",) if "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters \
+        else ()
     alive, outputs = {}, []
     for t in (256, 512):
         x = torch.randn(1, t, model.config.hidden_size, requires_grad=True)
         positions = torch.arange(t)[None]
-        rotary = decoder.rotary_emb(x, positions)
+        rotary = decoder.rotary_emb(x, positions, *layer_type)
         with MemoryTimeline("cpu") as tracker:
             h = x
             for layer in decoder.layers:
@@ -283,6 +289,62 @@ def test_uncheckpointed_layer_bytes_match_cpu_allocations(lean, tiled):
     per_token = _alive_bytes_per_token(model) / config.num_hidden_layers
     planned = kept_layer_bytes(geometry(config), 1, 4, Levers(lean_norm=lean, tiled_mlp=tiled))
     assert per_token == pytest.approx(planned, rel=0.02)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_uncheckpointed_gemma_layer_bytes_match_cpu_allocations(tiled):
+    """Gemma 3 normalises each sublayer's input and output (four hidden norms, and q and k per head): what an
+    uncheckpointed layer keeps, counted on CPU with transformers' norms, is the same count with (2 + norms) H-wide
+    tensors and a norm's fp32 copy and row statistic each."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.surgery import enable_tiled_mlp
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.tools.layer_activations import kept_layer_bytes
+
+    config = AutoConfig.for_model("gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                                  query_pre_attn_scalar=8, layer_types=["full_attention"] * 2, use_cache=False)
+    register_ulysses_attention(None, "sdpa")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses").train()
+    if tiled:
+        enable_tiled_mlp(model, tile_tokens=100)
+    g = geometry(config)
+    assert g["norms"] == 4 and g["qk_norm"]
+    per_token = _alive_bytes_per_token(model) / config.num_hidden_layers
+    assert per_token == pytest.approx(kept_layer_bytes(g, 1, 4, Levers(lean_norm=False, tiled_mlp=tiled)), rel=0.02)
+
+
+def qwen35_config(layers: int = 4):
+    """A tiny Qwen3.5: three Gated DeltaNet layers to one gated attention layer."""
+    return AutoConfig.for_model("qwen3_5_text", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                linear_value_head_dim=12)
+
+
+def test_deltanet_layers_keep_no_attention_outputs_and_send_nothing():
+    """Qwen3.5's DeltaNet layers: only its attention layers keep kernel outputs (`--attn_recompute never`) and take
+    part in the all-to-all; an uncheckpointed DeltaNet layer keeps its own count; its recomputed mixer is a
+    candidate for the layer working set."""
+    from ulysses_train.tools.layer_activations import kept_layer_bytes
+    from ulysses_train.tools.plan import communication, deltanet_bytes
+
+    g = geometry(qwen35_config(8))  # layers 3 and 7 attend
+    t, b = 1024, 2
+    e = estimate(g, t, 1, 1, Levers(keep_attention=True))
+    assert e["gpu"]["kept attention"] == 2 * t * (64 * b + 4 * 4)
+    assert e["gpu"]["checkpoints"] == 8 * t * 64 * b
+    half = estimate(g, t, 1, 1, Levers(keep_attention=True, checkpoint_layers=4))
+    assert half["gpu"]["kept attention"] == 1 * t * (64 * b + 4 * 4)  # layer 3 of the first four
+    spans = g["attn_spans"][4:]
+    assert half["gpu"]["uncheckpointed layers"] == sum(kept_layer_bytes(g, t, b, Levers(), 1, s) for s in spans)
+    deltanet = kept_layer_bytes(g, t, b, Levers(), 1, spans[0])
+    # x, normed x, h, normed h; conv q, k, v (2 x 16 + 48) three times; z, output, gated norm (48 each); MLP 4 I
+    assert deltanet == t * ((4 * 64 + 3 * 80 + 3 * 48 + 4 * 128) * b + 4 * (2 + 4))
+    assert deltanet_bytes(g, t, b) > 0 and deltanet_bytes(geometry(tiny_config("qwen3")), t, b) == 0
+    one_attention_layer = communication(dict(g, layers=4), 4096, 2, 1, Levers(keep_attention=True))["all-to-all"]
+    assert communication(g, 4096, 2, 1, Levers(keep_attention=True))["all-to-all"] == 2 * one_attention_layer
 
 
 def test_partial_checkpointing_by_hand():

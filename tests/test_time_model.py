@@ -8,7 +8,7 @@ import pytest
 
 from tests.models import qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, LeverRequest, Levers, resolve_levers
-from ulysses_train.model.geometry import geometry
+from ulysses_train.model.geometry import Span, geometry
 from ulysses_train.tools.time_model import AttentionRates, Constants, ElementwiseCosts, Run, step_time
 
 ONES = ElementwiseCosts(*(1e-12,) * 6)
@@ -150,3 +150,84 @@ def test_plan_of_a_command_with_a_ring(tmp_path, capsys):
     assert "--ring_size 2: the ring's memory is counted" in out
     assert main(["--gpus", "8", "--"] + flags + ["--ring_size", "1"]) == 2
     assert "--sp_size 8 must divide" in capsys.readouterr().err
+
+
+def _tiny(model_type: str, **values):
+    from transformers import AutoConfig
+
+    return geometry(AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2, **values))
+
+
+RECOMPUTE = Levers(keep_attention=False)  # every layer checkpointed, its attention run again before its backward
+
+
+def _attention_seconds(pairs: list, width: int, keep: bool = False) -> float:
+    """Every layer checkpointed: the forward (again in the recompute unless its outputs are kept) at 50 TFLOP/s
+    and 2.5 times its FLOPs backward at 40, over 4 FLOPs per query-key pair and unit of width."""
+    flops = [4 * p * width for p in pairs]
+    return sum((1 if keep else 2) * f / 50e12 + 2.5 * f / 40e12 for f in flops)
+
+
+def test_gemma3_like_attention_by_hand():
+    """Five sliding-window layers (4 keys) to one global, 16 tokens: a query at position t of a window layer sees
+    min(t + 1, 4) keys, 1 + 2 + 3 + 4 x 13 = 58 pairs in all, where the global layer counts the causal half of
+    16^2, 128; packed into documents of 5 and 11 tokens, 14 + 38 = 52 and (25 + 121) / 2 = 73."""
+    g = _tiny("gemma3_text", num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=16)
+    assert [s.kind for s in g["attn_spans"]] == ["window"] * 5 + ["full"]
+    assert sum(min(t + 1, 4) for t in range(16)) == 58
+    t = step_time(Run(g, 16, 1, 1, RECOMPUTE), ROUND)
+    assert t["parts"]["attention"] == pytest.approx(_attention_seconds([58] * 5 + [128], 64))
+    kept = step_time(Run(g, 16, 1, 1, Levers(keep_attention=True)), ROUND)
+    assert kept["parts"]["attention"] == pytest.approx(_attention_seconds([58] * 5 + [128], 64, keep=True))
+    packed = step_time(Run(g, 16, 1, 1, RECOMPUTE, docs=((5, 11),)), ROUND)
+    assert sum(min(t + 1, 4) for t in range(5)) + sum(min(t + 1, 4) for t in range(11)) == 52
+    assert packed["parts"]["attention"] == pytest.approx(_attention_seconds([52] * 5 + [73], 64))
+    # a window as long as the sequence is full attention; two ranks share the heads
+    wide = _tiny("gemma3_text", num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=16)
+    assert step_time(Run(wide, 16, 1, 1, RECOMPUTE), ROUND)["parts"]["attention"] == pytest.approx(
+        _attention_seconds([128] * 6, 64))
+    assert step_time(Run(g, 16, 2, 2, RECOMPUTE), ROUND)["parts"]["attention"] == pytest.approx(
+        _attention_seconds([58] * 5 + [128], 64 / 2))
+
+
+def test_window_pairs_grow_as_sequence_times_window():
+    """Past the window the pairs grow by w per token: O(s x w), where full attention grows as s^2 / 2."""
+    from ulysses_train.tools.time_model import causal_pairs
+
+    window = Span("window", 1024)
+    assert causal_pairs(4096, window) == sum(min(t + 1, 1024) for t in range(4096))
+    for n in (4096, 65536, 1 << 20):
+        assert causal_pairs(2 * n, window) - causal_pairs(n, window) == n * 1024
+    assert causal_pairs(1000, window) == causal_pairs(1000, Span("full")) == 500_000
+
+
+def test_llama4_like_chunked_attention_by_hand():
+    """Chunks of 8 (three layers) and a full NoPE layer, 16 tokens: two chunks of 8 each count 8^2 / 2; packed
+    documents of 5 and 11 are cut at position 8 too: pieces 5, 3 and 8, (25 + 9 + 64) / 2 = 49."""
+    g = _tiny("llama4_text", num_hidden_layers=4, attention_chunk_size=8, intermediate_size_mlp=128,
+              num_local_experts=2, num_experts_per_tok=1)
+    assert [s.kind for s in g["attn_spans"]] == ["chunk"] * 3 + ["full"]
+    t = step_time(Run(g, 16, 1, 1, RECOMPUTE), ROUND)
+    assert t["parts"]["attention"] == pytest.approx(_attention_seconds([64] * 3 + [128], 64))
+    packed = step_time(Run(g, 16, 1, 1, RECOMPUTE, docs=((5, 11),)), ROUND)
+    assert packed["parts"]["attention"] == pytest.approx(_attention_seconds([49] * 3 + [73], 64))
+
+
+def test_deltanet_layers_are_linear_in_the_sequence():
+    """Qwen3.5's Gated DeltaNet layers: per token, 4 value heads x (6 x 8 x 12 for the state + 64 x (2 x 8 + 12)
+    within the chunk) and 2 x 4 x 80 for the convolution, 10,112 FLOPs forward, at `linear_attention_tflops`; they
+    run again in the recompute even with the attention outputs kept."""
+    g = _tiny("qwen3_5_text", num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=12)
+    rates = dataclasses.replace(ROUND, linear_attention_tflops=10.0)
+    for keep in (False, True):
+        t = step_time(Run(g, 1024, 1, 1, Levers(keep_attention=keep)), rates)
+        fwd = 1024 * 10112 / 10e12
+        assert t["parts"]["linear attention"] == pytest.approx(3 * (2 * fwd + 2.5 * fwd))
+        assert t["parts"]["attention"] == pytest.approx(_attention_seconds([1024**2 / 2], 64, keep))
+        longer = step_time(Run(g, 4096, 1, 1, Levers(keep_attention=keep)), rates)
+        assert longer["parts"]["linear attention"] == pytest.approx(4 * t["parts"]["linear attention"])
+    assert "linear attention" not in step_time(Run(geometry(tiny_config("qwen3")), 1024, 1, 1, Levers()),
+                                               ROUND)["parts"]

@@ -52,18 +52,25 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def plain_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
-    ce = F.cross_entropy(_at_least_fp32(logits).flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+def cap_logits(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """Gemma's final logit softcap, `softcap * tanh(logits / softcap)`, as its causal LM applies it (None: as is)."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def plain_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor,
+               softcap: Optional[float] = None) -> torch.Tensor:
+    ce = F.cross_entropy(cap_logits(_at_least_fp32(logits), softcap).flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return ce / normalizer
 
 
 class _FusedLinearCE(torch.autograd.Function):
     """loss = sum_t CE(h_t W^T, y_t) / normalizer, with dL/dh and dL/dW computed chunk by chunk in the forward.
 
-    Peak extra memory: one chunk of logits (chunk x vocab, fp32) plus dW (fp32, vocab x hidden)."""
+    Peak extra memory: one chunk of logits (chunk x vocab, fp32) plus dW (fp32, vocab x hidden); with a final logit
+    softcap c, the logits are c tanh(z / c) and their gradient is multiplied by 1 - tanh^2 (one more chunk buffer)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, normalizer, chunk_size):
+    def forward(ctx, hidden, weight, labels, normalizer, chunk_size, softcap=None):
         # hidden (n, H), weight (V, H), labels (n,)
         grad_hidden = torch.empty_like(hidden)
         # accumulate dW over chunks in at least fp32: hundreds of bf16 partial sums would lose digits
@@ -75,6 +82,10 @@ class _FusedLinearCE(torch.autograd.Function):
             y = labels[start:start + chunk_size]
             valid = y != IGNORE_INDEX
             logits = _at_least_fp32(h @ weight.t())  # (c, V)
+            tanh = None
+            if softcap is not None:
+                tanh = torch.tanh(logits / softcap)
+                logits = torch.mul(tanh, softcap, out=logits)
             lse = torch.logsumexp(logits, dim=-1)
             target = torch.where(valid, y, 0)
             picked = logits.gather(1, target[:, None]).squeeze(1)
@@ -83,6 +94,9 @@ class _FusedLinearCE(torch.autograd.Function):
             grad_logits = logits.sub_(lse[:, None]).exp_()  # in place: one (c, V) fp32 buffer
             grad_logits[torch.arange(len(y), device=y.device), target] -= 1.0
             grad_logits *= (valid.to(grad_logits.dtype) / normalizer)[:, None]
+            if tanh is not None:  # d(c tanh(z / c)) / dz
+                grad_logits *= tanh.square_().neg_().add_(1.0)
+                del tanh
             grad_logits = grad_logits.to(hidden.dtype)
             grad_hidden[start:start + chunk_size] = grad_logits @ weight
             if grad_weight.dtype == h.dtype:
@@ -96,20 +110,22 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
 
 
-def fused_linear_cross_entropy(hidden, weight, labels, normalizer, chunk_size: int = 4096) -> torch.Tensor:
+def fused_linear_cross_entropy(hidden, weight, labels, normalizer, chunk_size: int = 4096,
+                               softcap: Optional[float] = None) -> torch.Tensor:
     """hidden (..., H), weight (V, H), labels (...): sum of CE over valid tokens / normalizer."""
-    return _FusedLinearCE.apply(hidden.flatten(0, -2), weight, labels.flatten(), normalizer, chunk_size)
+    return _FusedLinearCE.apply(hidden.flatten(0, -2), weight, labels.flatten(), normalizer, chunk_size, softcap)
 
 
-def chunked_cross_entropy(hidden, weight, labels, chunk_size: int = 4096) -> torch.Tensor:
+def chunked_cross_entropy(hidden, weight, labels, chunk_size: int = 4096, softcap: Optional[float] = None
+                          ) -> torch.Tensor:
     """Sum of the cross-entropy over valid tokens, the logits made `chunk_size` rows at a time (no gradient)."""
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     total = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):
-        logits = _at_least_fp32(hidden[start:start + chunk_size] @ weight.t())
+        logits = cap_logits(_at_least_fp32(hidden[start:start + chunk_size] @ weight.t()), softcap)
         total += F.cross_entropy(logits, labels[start:start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum")
     return total
 
@@ -125,19 +141,29 @@ class LMHeadWithLoss(nn.Linear):
     chunk_size: int = 4096
     fused: bool = True
     kernel: str = "ours"  # of the fused loss: "liger" trains on Liger-Kernel's; without autograd ours runs
+    softcap: Optional[float] = None  # the model's final logit softcap (Gemma 2), applied before the loss
 
     def forward(self, hidden, labels=None, normalizer=None):
-        if labels is None:
+        if labels is None:  # the causal LM applies its own softcap to these
             return super().forward(hidden)
         if self.kernel == "liger" and self.bias is None and hidden.requires_grad and torch.is_grad_enabled():
-            return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer)
+            return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.softcap)
         if self.bias is not None:
             raise NotImplementedError("an LM head with a bias is not supported by the loss head")
         if self.fused and not torch.is_grad_enabled():
-            return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_size) / normalizer
+            return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_size, self.softcap) / normalizer
         if self.fused:
-            return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size)
-        return plain_loss(super().forward(hidden), labels, normalizer)
+            return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size, self.softcap)
+        return plain_loss(super().forward(hidden), labels, normalizer, self.softcap)
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder stack (hidden states out, no head). `get_decoder()` names it in most families;
+    Llama 4's text model returns itself there, so its `model` attribute is taken instead."""
+    decoder = model.get_decoder()
+    if decoder is model or decoder.get_output_embeddings() is not None:
+        decoder = model.model
+    return decoder
 
 
 class CausalLMWithSPLoss(nn.Module):
@@ -149,7 +175,7 @@ class CausalLMWithSPLoss(nn.Module):
 
     def forward(self, input_ids, position_ids, labels, normalizer):
         # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
+        hidden = backbone(self.model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
         return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)
 
 
@@ -168,7 +194,7 @@ def _liger_loss():
     return liger_fused_linear_cross_entropy
 
 
-def liger_linear_cross_entropy(hidden, weight, labels, normalizer) -> torch.Tensor:
+def liger_linear_cross_entropy(hidden, weight, labels, normalizer, softcap: Optional[float] = None) -> torch.Tensor:
     """hidden (..., H), weight (V, H), labels (...): sum of CE over valid tokens / normalizer, by Liger-Kernel.
 
     Liger chunks the rows itself (about n / ceil(V / H) rows, rounded up to a power of two: logits of about the
@@ -176,7 +202,7 @@ def liger_linear_cross_entropy(hidden, weight, labels, normalizer) -> torch.Tens
     gradient is summed over the chunks in fp32 (accum_dtype), as ours is: Liger's default sums it in the weight's
     dtype, which in bf16 rounds every chunk's partial sum."""
     loss = _liger_loss()(hidden.flatten(0, -2), weight, labels.flatten(), ignore_index=IGNORE_INDEX,
-                         reduction="sum", accum_dtype=torch.float32)
+                         reduction="sum", accum_dtype=torch.float32, softcap=softcap)
     return loss / normalizer
 
 

@@ -69,6 +69,7 @@ def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 40
         raise TypeError(f"the model's output embedding is a {type(head).__name__}, not nn.Linear")
     head.__class__ = LMHeadWithLoss
     head.fused, head.chunk_size, head.kernel = fused, chunk_size, kernel if fused else "ours"
+    head.softcap = getattr(model.config, "final_logit_softcapping", None) or None  # Gemma 2's, before the loss
     return head
 
 

@@ -25,12 +25,16 @@ sp/kv times) when kv divides sp.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from .support import LayerMixer, layer_mixers
 from .all_to_all import all_to_all, group_size
 from .kernels import KERNELS
+from .patterns import Pattern, chunk_documents
 from .ring import RingAttention
 
 ATTN_NAME = "ulysses"
@@ -49,6 +53,7 @@ class UlyssesAttention:
         self.kernel = KERNELS[kernel]
         self.ring = RingAttention(ring_group, kernel) if group_size(ring_group) > 1 else None
         self._doc_lengths, self._doc_ids = None, None
+        self._tables: dict[int, list[LayerMixer]] = {}  # id(model config) -> its layers (support.py)
 
     @property
     def doc_lengths(self) -> Optional[list[list[int]]]:
@@ -64,15 +69,17 @@ class UlyssesAttention:
             torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row, dtype=torch.long)) for row in lengths])
 
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
-                 scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
-        if sliding_window is not None:
-            raise NotImplementedError("Ulysses attention supports full-attention layers only (sliding_window is set)")
+                 scaling: Optional[float] = None, sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                 s_aux: Optional[torch.Tensor] = None, **kwargs):
+        mixer = self._layer(module, sliding_window, softcap, s_aux, kwargs)
         if dropout:
             raise NotImplementedError("attention dropout is not supported: set the model's attention_dropout to 0")
         if attention_mask is not None:
             raise NotImplementedError("padding masks are not supported: pad at the end with labels -100 instead")
         sp, kv_heads = self.sp, key.shape[1]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if mixer.temperature_tuning and sp > 1:
+            query = self._global_temperature(module, query)
         if kv_heads % sp != 0:
             # kv divides sp (checked at start-up): give each KV head to sp/kv consecutive ranks
             key, value = (t.repeat_interleave(sp // kv_heads, dim=1) for t in (key, value))
@@ -84,9 +91,63 @@ class UlyssesAttention:
                                  f"{q.shape[2] * self.ring.size}")
             out = self.ring(q, k, v, scale, self._doc_ids)  # (b, s/ring, h/sp, d)
         else:
-            out = self.kernel(q, k, v, scale, self.doc_lengths)  # (b, s, h/sp, d)
+            docs = self.doc_lengths
+            if mixer.chunk:  # block-diagonal: the chunks are documents of their own
+                docs = chunk_documents(docs, q.shape[0], q.shape[2], mixer.chunk)
+            pattern = Pattern(mixer.window, mixer.softcap, None if s_aux is None else self._my_heads(s_aux))
+            out = self.kernel(q, k, v, scale, docs, pattern)  # (b, s, h/sp, d)
         # (b, s, h/sp, d) -> (b, s/sp, h, d)
         return all_to_all(out, self.sp_group, scatter_dim=1, gather_dim=2), None
+
+    def _layer(self, module, sliding_window, softcap, s_aux, kwargs) -> LayerMixer:
+        """The layer's mixer from the model's config (support.py), checked against what the layer passed:
+        an argument the table does not account for is an error, never ignored."""
+        unknown = sorted(set(kwargs) - PASSED_THROUGH)
+        if unknown:
+            raise TypeError(f"{type(module).__name__} passes {', '.join(unknown)} to the attention, which the Ulysses "
+                            f"attention does not implement")
+        if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+            raise NotImplementedError(f"{type(module).__name__} is not causal: the kernels are causal only")
+        config = getattr(module, "config", None)
+        if config is None or getattr(module, "layer_idx", None) is None:  # called directly: what it passes is all
+            return LayerMixer("attention", window=sliding_window, softcap=softcap, sinks=s_aux is not None)
+        ref, table = self._tables.get(id(config), (None, None))
+        if ref is None or ref() is not config:  # a config freed since may have left its id to this one
+            table = layer_mixers(config)
+            self._tables[id(config)] = (weakref.ref(config), table)
+        mixer = table[module.layer_idx]
+        passed = {"sliding_window": (sliding_window, mixer.window), "softcap": (softcap, mixer.softcap),
+                  "s_aux": (s_aux is not None, mixer.sinks)}
+        for name, (got, want) in passed.items():
+            if (got or None) != (want or None) and not (name == "sliding_window" and got is None):
+                raise ValueError(f"layer {module.layer_idx} of {config.model_type} passes {name}={got!r} to the "
+                                 f"attention, where its config says {want!r} (support.py)")
+        return mixer
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.sp_group) if self.sp > 1 else 0
+
+    def _my_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a per-query-head tensor (the sinks), as the all-to-all splits the heads."""
+        local = per_head.shape[0] // self.sp
+        return per_head[self._rank() * local:(self._rank() + 1) * local]
+
+    def _global_temperature(self, module, query: torch.Tensor) -> torch.Tensor:
+        """Llama 4 scales a NoPE layer's q by a function of the row position, which it reads as the local index
+        (`arange` over this shard): rescale it to the global row position. q (b, h, s/sp, d)."""
+        local = torch.arange(query.shape[2], device=query.device, dtype=torch.float32)
+        offset = self._rank() * query.shape[2]
+
+        def temperature(p):
+            return torch.log1p(torch.floor((p + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+        ratio = temperature(local + offset) / temperature(local)
+        return (query.float() * ratio.view(1, 1, -1, 1)).to(query.dtype)
+
+
+# what transformers' layers pass besides the attention's own arguments, none of which changes what it computes
+PASSED_THROUGH = {"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position",
+                  "is_causal"}
 
 
 def _no_mask(*args, **kwargs):

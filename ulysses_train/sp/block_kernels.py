@@ -118,10 +118,14 @@ def _fa4_forward(q, k, v, scale, causal):
 
 
 def _fa4_backward(dout, q, k, v, out, lse, scale, causal):
-    return fa4_op.IMPL["backward"](dout.contiguous(), q, k, v, out, lse.contiguous(), scale, causal)
+    return fa4_op.IMPL["backward"](dout.contiguous(), q, k, v, out, lse.contiguous(), scale, causal)[:3]
 
 
-REFERENCE = BlockKernel(fa4_op.reference_forward, fa4_op.reference_backward)
+def _reference_backward(dout, q, k, v, out, lse, scale, causal):
+    return fa4_op.reference_backward(dout, q, k, v, out, lse, scale, causal)[:3]
+
+
+REFERENCE = BlockKernel(fa4_op.reference_forward, _reference_backward)
 
 
 def block_kernel(name: str, device: torch.device, dtype: torch.dtype) -> BlockKernel:

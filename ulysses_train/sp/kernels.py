@@ -2,7 +2,8 @@
 
 Each takes q (b, hq, s, d), k/v (b, hkv, s, d) for the full sequence and returns (b, s, hq, d), causal. `docs`, when
 packing, gives per batch row the lengths of its documents (summing to s): attention is causal inside each document
-and never crosses one.
+and never crosses one. `pattern` is the layer's sliding window, sinks and softcap (patterns.py); which kernel takes
+which is decided before the model is built (support.py), and each kernel refuses what it cannot do.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from . import ring
 from .fa4_op import FORWARD_OP, VARLEN_FORWARD_OP, fa4_attention, fa4_varlen_attention
+from .patterns import FULL, Pattern, patterned_sdpa
 
 def _per_document(kernel, q, k, v, scale, docs):
     """Runs a dense causal kernel on each document separately (exact; efficient for book-length documents)."""
@@ -30,7 +32,9 @@ def _per_document(kernel, q, k, v, scale, docs):
     return torch.cat(rows, dim=0)
 
 
-def _sdpa(q, k, v, scale: float, docs=None) -> torch.Tensor:
+def _sdpa(q, k, v, scale: float, docs=None, pattern: Pattern = FULL) -> torch.Tensor:
+    if not pattern.plain:
+        return patterned_sdpa(q, k, v, scale, docs, pattern)
     if docs is not None:
         return _per_document(_sdpa, q, k, v, scale, docs)
     if k.shape[1] != q.shape[1] and q.is_cuda and q.dtype == torch.float32:
@@ -51,29 +55,41 @@ def _cu_seqlens(docs, device) -> tuple[torch.Tensor, int]:
     return cu.to(device), max(lengths)
 
 
-def _flash_attn(q, k, v, scale: float, docs=None) -> torch.Tensor:
+def _fa2_pattern(pattern: Pattern) -> dict:
+    """FA2's window and softcap arguments; it has no sinks (the support check sends sink models elsewhere)."""
+    if pattern.sinks is not None:
+        raise ValueError("FA2 has no attention sinks: use --attn_kernel flash_attn_4 or sdpa")
+    window = (-1, -1) if pattern.window is None else (pattern.window - 1, 0)
+    return {"window_size": window, "softcap": pattern.softcap or 0.0}
+
+
+def _flash_attn(q, k, v, scale: float, docs=None, pattern: Pattern = FULL) -> torch.Tensor:
     from flash_attn import flash_attn_func, flash_attn_varlen_func  # FA2 (and FA3's compatible interface)
 
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d), the layout FlashAttention takes
+    extra = _fa2_pattern(pattern)
     if docs is None:
-        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True, **extra)
     cu, longest = _cu_seqlens(docs, q.device)
     b, s = q.shape[:2]
     out = flash_attn_varlen_func(*(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)), cu, cu, longest, longest,
-                                 softmax_scale=scale, causal=True)
+                                 softmax_scale=scale, causal=True, **extra)
     return out.reshape(b, s, *out.shape[1:])
 
 
-def _flash_attn_4(q, k, v, scale: float, docs=None) -> torch.Tensor:
+def _flash_attn_4(q, k, v, scale: float, docs=None, pattern: Pattern = FULL) -> torch.Tensor:
     """FlashAttention-4 (package flash-attn-4) through our registered ops, so that its outputs can be kept; packed
-    documents in one varlen call."""
+    documents in one varlen call. Its window, softcap and learnable sinks have backward kernels on Hopper."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d) views, GQA native
+    extra = (-1 if pattern.window is None else pattern.window - 1, pattern.softcap or 0.0,
+             None if pattern.sinks is None else pattern.sinks.float().contiguous())
     if docs is None:
-        return fa4_attention(q, k, v, scale)
+        return fa4_attention(q, k, v, scale, *extra)
     cu, longest = _cu_seqlens(docs, q.device)
     b, s = q.shape[:2]
     # (b, s, h, d) -> (b*s, h, d): a copy where the all-to-all left q, k, v strided, as the kernel needs
-    out = fa4_varlen_attention(*(t.reshape(b * s, *t.shape[2:]).contiguous() for t in (q, k, v)), cu, longest, scale)
+    out = fa4_varlen_attention(*(t.reshape(b * s, *t.shape[2:]).contiguous() for t in (q, k, v)), cu, longest, scale,
+                               *extra)
     return out.view(b, s, *out.shape[1:])
 
 

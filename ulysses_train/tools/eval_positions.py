@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..errors import ConfigError
+from ..levers.loss import backbone
 
 
 def per_position_loss(model, ids: torch.Tensor, groups, device, labels=None) -> torch.Tensor:
@@ -39,7 +40,7 @@ def per_position_loss(model, ids: torch.Tensor, groups, device, labels=None) -> 
     labels = None if labels is None else labels[None]
     shard = {k: v.to(device) for k, v in shard_sequence(ids[None], groups.sp_size, groups.sp_rank,
                                                         labels=labels).items()}
-    hidden = model.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"])[0]
+    hidden = backbone(model)(input_ids=shard["input_ids"], position_ids=shard["position_ids"])[0]
     head = model.get_output_embeddings()
     losses = []
     for piece in torch.split(torch.arange(hidden.shape[1], device=device), 4096):  # never the full logits
@@ -141,9 +142,16 @@ def main(argv=None) -> int:
     (from rank 0) and exit code 2 on every rank."""
     from ..data.corpus import load_tokenizer
 
+    from transformers import AutoConfig
+
+    from ..sp.support import check_support
+
     a = parse_args(argv)
     try:
         check_args(a)
+        # every rank shares one sequence (SP over the world): a layer that would not be exact stops it here
+        check_support(AutoConfig.from_pretrained(a.model), int(os.environ.get("WORLD_SIZE", 1)), 1, "sdpa",
+                      "cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = load_tokenizer(a.tokenizer, a.model)
         samples = load_samples(a, tokenizer)
     except ConfigError as e:

@@ -21,6 +21,13 @@ norm also keeps an fp32 copy of its input (4 bytes per element: 2H + A + KV). Ro
 by all layers. Checked on CPU by counting every allocation alive after a forward (tests/test_plan.py), with and
 without the lean norms, the fused kernels and the tiled MLP; on the H200, solving three partial-checkpointing peaks
 for it gives 6.62, 13.50 and 6.29 GiB per layer where this counts 6.71, 13.41 and 6.29 (docs/memory.md).
+
+Gemma also normalises the attention's and the MLP's outputs before adding them (four hidden norms, `norms` in the
+geometry): each extra norm keeps its H-wide input and a row statistic, so the hidden-width terms are (2 + norms) H,
+checked on CPU the same way for Gemma 3. A Gated DeltaNet layer (Qwen3.5, Qwen3-Next) is counted by hand through
+transformers' layer and not yet checked against allocations: x and the normed x, the fused q, k, v projection's
+output, the convolution's output and its SiLU (3 x (2 key + value) wide), the output gate z, the recurrence's
+output and its gated norm (3 x value), then h, the normed h and the MLP as above.
 """
 
 from __future__ import annotations
@@ -32,27 +39,46 @@ def _kernel_kv_width(g: dict, levers, sp: int) -> int:
     return max(g["kv"], sp) * g["head_dim"] if levers.gqa_native else g["attn_width"]
 
 
-def kept_layer_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1) -> float:
-    """Bytes one rank keeps for the backward of one layer that is not checkpointed, `tokens` tokens on the rank."""
-    kernel_kv = _kernel_kv_width(g, levers, sp)
-    qk_norm = g["attn_width"] + g["kv_width"] if g["qk_norm"] else 0
+def _linear_attention(span) -> bool:
+    return span is not None and not span.attention
+
+
+def kept_layer_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1, span=None) -> float:
+    """Bytes one rank keeps for the backward of one layer that is not checkpointed, `tokens` tokens on the rank;
+    `span` (model/geometry.py): the layer's, for a Gated DeltaNet layer (default: an attention layer)."""
     mlp = 0 if levers.tiled_mlp else (3 if levers.fused_kernels else 4) * g["inter"]
-    out = g["attn_width"] * (2 if sp > 1 else 1)
-    elements = 4 * g["hidden"] + qk_norm + g["attn_width"] + 2 * kernel_kv + out + mlp
-    row_floats = 2 + (g["heads"] + g["kv"]) * g["qk_norm"] + g["heads"]  # norms' fp32 per row, log-sum-exp
-    norm_copies = 0 if levers.lean_norm else 2 * g["hidden"] + qk_norm
+    hidden = (2 + g["norms"]) * g["hidden"]  # x and h, and each hidden norm's input
+    if _linear_attention(span):
+        d = g["linear_attn"]
+        elements = hidden + 3 * d["conv_width"] + 3 * d["value_width"] + mlp
+        normed = g["norms"] * g["hidden"]
+        row_floats = g["norms"] + d["value_heads"]
+    else:
+        kernel_kv = _kernel_kv_width(g, levers, sp)
+        qk_norm = g["attn_width"] + g["kv_width"] if g["qk_norm"] else 0
+        out = g["attn_width"] * (2 if sp > 1 else 1)
+        elements = hidden + qk_norm + g["attn_width"] + 2 * kernel_kv + out + mlp
+        normed = g["norms"] * g["hidden"] + qk_norm
+        row_floats = g["norms"] + (g["heads"] + g["kv"]) * g["qk_norm"] + g["heads"]  # norms' rows, log-sum-exp
+    norm_copies = 0 if levers.lean_norm else normed  # transformers' norms keep an fp32 copy of their input
     return tokens * (elements * act_bytes + 4 * (row_floats + norm_copies))
 
 
 def uncheckpointed_backward_bytes(g: dict, tokens: int, act_bytes: int, levers, sp: int = 1,
-                                 tile_tokens: int = 16384) -> float:
+                                 tile_tokens: int = 16384, span=None) -> float:
     """Bytes an uncheckpointed layer's backward allocates on top of what it keeps: the gradients of its hidden
     states (in and out), and the larger of attention's (dq, dk, dv as the kernel gets them, and an fp32 dq
     accumulator) and the MLP's (the product's, gate's and up's gradients, one tile at a time with the tiled MLP;
-    silu(gate)'s too without the fused SwiGLU). No recompute: that is the layer working set of a checkpointed layer,
-    which runs only after every uncheckpointed layer has freed its activations."""
-    kernel_kv = _kernel_kv_width(g, levers, sp)
-    attention = tokens * ((g["attn_width"] + 2 * kernel_kv) * act_bytes + g["attn_width"] * 4)
+    silu(gate)'s too without the fused SwiGLU). A DeltaNet layer's mixer: the gradients of its projections' outputs
+    (q, k, v and z) and of its recurrence's output (a guess by the same count). No recompute: that is the layer
+    working set of a checkpointed layer, which runs only after every uncheckpointed layer has freed its
+    activations."""
+    if _linear_attention(span):
+        d = g["linear_attn"]
+        mixer = tokens * (d["conv_width"] + 2 * d["value_width"]) * act_bytes
+    else:
+        kernel_kv = _kernel_kv_width(g, levers, sp)
+        mixer = tokens * ((g["attn_width"] + 2 * kernel_kv) * act_bytes + g["attn_width"] * 4)
     mlp_rows = min(tokens, tile_tokens) if levers.tiled_mlp else tokens
     mlp = (3 if levers.fused_kernels else 4) * mlp_rows * g["inter"] * act_bytes
-    return 2 * tokens * g["hidden"] * act_bytes + max(attention, mlp)
+    return 2 * tokens * g["hidden"] * act_bytes + max(mixer, mlp)

@@ -53,6 +53,11 @@ ATTENTION_TENSORS_GQA = 7.5
 # tiled MLP), 1.29 units; 1.25 is used. The fused SwiGLU saves gate and
 # up only, not silu(gate): one (tokens x intermediate) tensor less, 42.25 -> 41.06 GiB at 64k (MLP-bound), exactly it.
 FUSED_ROTARY_SAVING = 1.25
+# The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its peak in the backward, in tokens x (2 key + value)
+# and tokens x value tensors: the fused projection's output, the convolution's and its SiLU, and their gradients (6);
+# the gate z, the recurrence's output, its gated norm, and their gradients (6). Counted by hand, not measured: a
+# guess until a GPU run measures it. Beside them the backward recomputes each chunk's state (`deltanet_state_bytes`).
+LINEAR_ATTENTION_TENSORS = 6
 
 
 def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
@@ -77,6 +82,23 @@ def loss_bytes(g: dict, t: int, kernel: str, loss_chunk: int = 4096, b: int = 2)
     if kernel == "liger":
         return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b) + 4 * t
     return states + loss_chunk * v * (4 + b)
+
+
+def attention_layers(g: dict, layers: range) -> int:
+    """How many of the decoder layers numbered `layers` attend (a Gated DeltaNet layer does not)."""
+    return sum(1 for i in layers if g["attn_spans"][i].attention)
+
+
+def deltanet_bytes(g: dict, t: int, b: int) -> float:
+    """A recomputed Gated DeltaNet layer's mixer at its peak in the backward (LINEAR_ATTENTION_TENSORS), and the
+    state of every chunk of 64 tokens (value heads x key x value dim), recomputed in the backward with its gradient
+    in fp32; 0 for a model without such layers."""
+    d = g["linear_attn"]
+    if not d:
+        return 0
+    tensors = LINEAR_ATTENTION_TENSORS * t * (d["conv_width"] + d["value_width"]) * b
+    states = 2 * 4 * math.ceil(t / 64) * d["value_heads"] * d["key_head_dim"] * d["value_head_dim"]
+    return tensors + states
 
 
 def ring_bytes(g: dict, t: int, sp: int, ring: int, act_bytes: int) -> int:
@@ -104,7 +126,7 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
     # forward: R - 1 K/V blocks on; backward: R - 1 K/V blocks again and R fp32 dK/dV accumulators
     p2p = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes
     p2p_backward = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes + ring * kv_block * 4
-    layers = g["layers"]
+    layers = attention_layers(g, range(g["layers"]))  # a DeltaNet layer sends nothing (and runs at SP 1 only)
     return {"all-to-all": layers * a2a * (forwards + 1),
             "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
 
@@ -127,11 +149,14 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
         gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
     gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
-    share = levers.checkpointed(g["layers"]) / g["layers"]  # checkpointed layers save inputs and kept outputs
-    checkpoints = checkpoint_bytes(g, t, b) * share
-    kept = kept_attention_bytes(g, t, b) * share if levers.keep_attention else 0
+    n_ckpt = min(levers.checkpointed(g["layers"]), g["layers"])
+    checkpoints = checkpoint_bytes(g, t, b) * n_ckpt / g["layers"]  # checkpointed layers save their inputs
+    # and, with kept outputs, those of their attention kernels (a DeltaNet layer keeps nothing)
+    kept = kept_attention_bytes(g, t, b) * attention_layers(g, range(n_ckpt)) / g["layers"] \
+        if levers.keep_attention else 0
     # the other layers keep their activations (the last ones: freed by their backward before any recompute starts)
-    whole_layers = (g["layers"] - levers.checkpointed(g["layers"])) * kept_layer_bytes(g, t, b, levers, sp)
+    unchecked = [g["attn_spans"][i] for i in range(n_ckpt, g["layers"])]
+    whole_layers = sum(kept_layer_bytes(g, t, b, levers, sp, span) for span in unchecked)
     # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
     norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
     units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
@@ -141,7 +166,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # gate, up, act, product + two gradients; the fused SwiGLU keeps no act
     mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
-    layer = hidden_acts + max(attention, mlp)
+    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b))
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
     ring_buffers = ring_bytes(g, t, sp, ring, b)
@@ -158,7 +183,8 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # have freed them by the first recompute (measured on the H200 at 64k and 131k: docs/memory.md)
     transient = max(layer + a2a + ring_buffers, loss)
     if whole_layers:
-        own_backward = uncheckpointed_backward_bytes(g, t, b, levers, sp, tile_tokens) + a2a + ring_buffers
+        own_backward = max(uncheckpointed_backward_bytes(g, t, b, levers, sp, tile_tokens, span)
+                           for span in set(unchecked)) + a2a + ring_buffers
         transient = max(transient, whole_layers + max(loss, own_backward))
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.build import attention_heads, load_model_config
+from ..sp.support import check_support
 from ..model.geometry import geometry
 from ..sp import dims
 from .plan import estimate, fits, fits_on
@@ -90,6 +91,7 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     sp = cfg.sp_size or math.gcd(min(machine.gpus, machine.gpus_per_node), machine.gpus)
     ring = dims.resolve_ring_size(cfg.ring_size, sp, *attention_heads(config))
     dims.validate(machine.gpus, sp, *attention_heads(config), {"seq_len": cfg.seq_len}, cfg.pad_to_sp, ring)
+    check_support(config, sp, ring, _kernel(cfg.attn_kernel), "cuda", cfg.packing)  # what the trainer refuses, refused here
     bf16 = cfg.dtype != "fp32"  # auto is bf16 on a GPU
     ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, machine.gpus // sp, sp, config.hidden_size,
                            use_bf16=bf16, random_init=cfg.model is None)

@@ -3,13 +3,16 @@ parallel layout and a machine's constants.
 
 Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks sharing it):
 
-    forward     linear layers 2 T x params at the matmul rate; causal attention 2 x sum(doc^2) x heads x head_dim / sp
-                at the kernel's forward rate; norms, rotary and SwiGLU per token and width (fused or eager rates);
-                residual adds at HBM bandwidth; the Ulysses all-to-all of q, k, v and the output (sp > 1)
+    forward     linear layers 2 T x params at the matmul rate; attention 4 x (query-key pairs) x heads x head_dim / sp
+                at the kernel's forward rate, the pairs per document: doc^2 / 2 for full causal attention, for a
+                sliding window w the exact sum of min(t + 1, w) over positions t, for chunked attention doc^2 / 2 per
+                chunk; a Gated DeltaNet layer's recurrence linear in T (a rough count, at a guessed rate); norms,
+                rotary and SwiGLU per token and width (fused or eager rates); residual adds at HBM bandwidth; the
+                Ulysses all-to-all of q, k, v and the output (sp > 1)
     recompute   a checkpointed layer runs its forward again before its backward, without the attention kernel when
-                its outputs are kept (`--attn_recompute never`); an uncheckpointed layer (`--checkpoint_layers`) not
-                at all
-    backward    twice the linear FLOPs, 2.5x the attention FLOPs at the kernel's backward rate, the elementwise
+                its outputs are kept (`--attn_recompute never`: a DeltaNet layer keeps nothing and runs again); an
+                uncheckpointed layer (`--checkpoint_layers`) not at all
+    backward    twice the linear FLOPs, 2.5x the attention (and DeltaNet) FLOPs at the backward rate, the elementwise
                 backward, the all-to-all again; the tiled MLP runs its MLP forward once more
     overlapped  the offload's copies (PCIe, side streams) and ZeRO-3's gathers and reduce-scatters (prefetched on
                 their own stream) cost only what they take beyond the layer's compute
@@ -26,10 +29,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..levers.policy import Levers
+from ..model.geometry import LayerShape, Span
 
 KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
 
@@ -89,6 +94,10 @@ class Constants:
     and a scatter of the tokens): not measured, an assumption."""
     attention: dict = field(default_factory=_h200_attention)
     """Kernel name (--attn_kernel) -> AttentionRates."""
+    linear_attention_tflops: float = 150.0
+    """A Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next), forward and backward, over the FLOPs
+    `_deltanet_flops` counts: a guess, not measured (the chunked kernels of flash-linear-attention run well below
+    the matmul ceiling); to be measured on a GPU."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: 0.44 s at 64k and 0.89 s at 131k in the profiles
     (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows). Our kernel (--loss_kernel ours)."""
@@ -169,11 +178,61 @@ class Run:
     act_bytes: int = 2
 
 
-def _attention_flops(run: Run) -> float:
-    """Forward FLOPs of one layer's causal attention on one rank: its heads/sp over every sequence of the batch."""
-    docs = run.docs or tuple((run.seq_len,) for _ in range(run.micro))
-    squares = sum(n * n for sequence in docs for n in sequence)
-    return 2 * squares * run.g["attn_width"] / run.sp
+# the chunk of flash-linear-attention's gated delta rule: each token meets the rest of its chunk directly
+DELTANET_CHUNK = 64
+
+
+def _documents(run: Run) -> tuple:
+    """Per sequence of the micro-batch, its documents' lengths."""
+    return run.docs or tuple((run.seq_len,) for _ in range(run.micro))
+
+
+def _chunk_pieces(lengths, chunk: int) -> list[int]:
+    """One sequence's documents cut at every multiple of `chunk` positions of the row: chunked attention is causal
+    attention within each piece (the kernels get the pieces as documents)."""
+    pieces, start = [], 0
+    for n in lengths:
+        end = start + n
+        while start < end:
+            cut = min(end, (start // chunk + 1) * chunk)
+            pieces.append(cut - start)
+            start = cut
+    return pieces
+
+
+def causal_pairs(n: int, span: Span) -> float:
+    """Query-key pairs a causal kernel computes for one document of `n` tokens: n^2 / 2 for full attention (the
+    half of the square the rates are counted on); under a window of w keys the query at position t sees
+    min(t + 1, w), summed exactly: w (w + 1) / 2 + (n - w) w. A window at least as long as the document is full
+    attention."""
+    w = span.size
+    if span.kind == "window" and w < n:
+        return w * (w + 1) / 2 + (n - w) * w
+    return n * n / 2
+
+
+def _attention_flops(run: Run, span: Span, width: int) -> float:
+    """Forward FLOPs of one layer's attention on one rank: the score and value products, 2 FLOPs each per
+    query-key pair and unit of width (the layer's heads x head_dim), for its heads/sp over every sequence of the
+    batch."""
+    pairs = 0.0
+    for lengths in _documents(run):
+        pieces = _chunk_pieces(lengths, span.size) if span.kind == "chunk" else lengths
+        pairs += sum(causal_pairs(n, span) for n in pieces)
+    return 4 * pairs * width / run.sp
+
+
+def _deltanet_flops(run: Run) -> float:
+    """Forward FLOPs of one Gated DeltaNet layer's recurrence on one rank (its projections count as linear layers).
+    Per token and value head the chunked delta rule reads, corrects and updates the head's state (key x value dim:
+    three products, 6 dk dv) and meets the rest of its chunk (the causal half of the chunk's q k^T, k k^T and
+    attention x v: chunk x (2 dk + dv)); the causal convolution adds 2 x kernel per channel. Counted from the
+    algorithm, not from a kernel: linear in the tokens, and rough until measured on a GPU."""
+    d = run.g["linear_attn"]
+    dk, dv = d["key_head_dim"], d["value_head_dim"]
+    per_head = 6 * dk * dv + DELTANET_CHUNK * (2 * dk + dv)
+    per_token = d["value_heads"] * per_head + 2 * d["conv_kernel"] * d["conv_width"]
+    return per_token * sum(sum(lengths) for lengths in _documents(run)) / run.sp
 
 
 def _collective_gb_s(ranks: int, c: Constants) -> float:
@@ -195,18 +254,19 @@ class _Pass:
     a2a: float  # the Ulysses all-to-all of one pass, with its layout copies
 
 
-def _elementwise(run: Run, c: Constants, t: int) -> tuple[float, float, float]:
+def _elementwise(run: Run, c: Constants, t: int, moe: bool) -> tuple[float, float, float]:
     """(forward, backward, SwiGLU forward) seconds of a layer's elementwise ops: our fused kernels replace the norms
     and rotary everywhere and the SwiGLU of dense MLPs; the eager ops run at `eager_in_step` of their cost alone."""
     g, lv, b = run.g, run.levers, run.act_bytes
     eager = dataclasses.replace(c.eager, **{k: v * c.eager_in_step for k, v in dataclasses.asdict(c.eager).items()})
-    norm, rot, swi = (c.fused, c.fused, eager if g["experts"] else c.fused) if lv.fused_kernels else (eager,) * 3
-    norm_w = 2 * g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"]  # hidden twice; Qwen3's q, k
+    norm, rot, swi = (c.fused, c.fused, eager if moe else c.fused) if lv.fused_kernels else (eager,) * 3
+    # the hidden-width norms (two; four in Gemma) and the q, k norms (Qwen3, Gemma 3/4, OLMo 3)
+    norm_w = g["norms"] * g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"]
     rot_w, swi_w = g["attn_width"] + g["kv_width"], g["inter"]
     copies = 6 * t * g["hidden"] * b  # two residual adds: read two H-wide tensors, write one
     if not lv.gqa_native:  # k and v copied to every query head, and their gradients summed back
         copies += 2 * t * (g["attn_width"] - g["kv_width"]) * b
-    if g["experts"]:  # each token's hidden state gathered for its experts and their outputs added back
+    if moe:  # each token's hidden state gathered for its experts and their outputs added back
         copies += 2 * t * g["experts_per_token"] * g["hidden"] * b
     copy_s = copies / (c.hbm_tb_s * 1e12)
     fwd = t * (norm_w * norm.norm_fwd + rot_w * rot.rotary_fwd + swi_w * swi.swiglu_fwd) + copy_s
@@ -214,43 +274,54 @@ def _elementwise(run: Run, c: Constants, t: int) -> tuple[float, float, float]:
     return fwd, bwd, t * swi_w * swi.swiglu_fwd
 
 
-def _pass(run: Run, c: Constants) -> _Pass:
-    g, b = run.g, run.act_bytes
+def _mixer_seconds(run: Run, c: Constants, shape: LayerShape) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's token mixer: its attention kernel over the layer's span, or the
+    DeltaNet recurrence; the backward 2.5 times the forward's FLOPs (measured for attention, assumed for DeltaNet)."""
+    if not shape.span.attention:
+        flops, rate = _deltanet_flops(run), c.linear_attention_tflops * 1e12
+        return flops / rate, 2.5 * flops / rate
+    rates, flops = c.attention[run.kernel], _attention_flops(run, shape.span, shape.attn_width)
+    return flops / (rates.fwd * 1e12), 2.5 * flops / (rates.bwd * 1e12)
+
+
+def _pass(run: Run, c: Constants, shape: LayerShape) -> _Pass:
+    b = run.act_bytes
     t = run.micro * math.ceil(run.seq_len / run.sp)
     rate = c.matmul_tflops * 1e12
-    mlp_fwd = 2 * t * g["mlp_matmul_params"] / (rate * (c.moe_matmul_efficiency if g["experts"] else 1.0))
-    linear_fwd = 2 * t * (g["matmul_params"] - g["mlp_matmul_params"]) / rate + mlp_fwd
-    rates, flops = c.attention[run.kernel], _attention_flops(run)
-    elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t)
+    mlp_fwd = 2 * t * shape.mlp_matmul_params / (rate * (c.moe_matmul_efficiency if shape.moe else 1.0))
+    linear_fwd = 2 * t * (shape.matmul_params - shape.mlp_matmul_params) / rate + mlp_fwd
+    attn_fwd, attn_bwd = _mixer_seconds(run, c, shape)
+    elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t, shape.moe)
     a2a = 0.0
-    if run.sp > 1:  # q, k, v (KV heads replicated up to sp) out, the output back
-        sent = t * (2 * g["attn_width"] + 2 * max(g["kv"], run.sp) * g["head_dim"]) * b
+    if run.sp > 1 and shape.span.attention:  # q, k, v (KV heads replicated up to sp) out, the output back
+        sent = t * (2 * shape.attn_width + 2 * max(shape.kv, run.sp) * shape.head_dim) * b
         a2a = sent * (run.sp - 1) / run.sp / (_a2a_gb_s(run, c) * 1e9) + 2 * sent / (c.hbm_tb_s * 1e12)
-    return _Pass(linear_fwd, mlp_fwd, flops / (rates.fwd * 1e12), 2.5 * flops / (rates.bwd * 1e12), elem_fwd,
-                 elem_bwd, swiglu_fwd, a2a)
+    return _Pass(linear_fwd, mlp_fwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd, swiglu_fwd, a2a)
 
 
-def _layer(run: Run, c: Constants, p: _Pass, checkpointed: bool) -> dict:
+def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dict:
     """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
     the overlapped copies and collectives."""
-    g, lv, b = run.g, run.levers, run.act_bytes
+    g, lv, b, p = run.g, run.levers, run.act_bytes, _pass(run, c, shape)
     t = run.micro * math.ceil(run.seq_len / run.sp)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
+    keep = lv.keep_attention and shape.span.attention  # only attention kernels' outputs are kept
     forward = p.linear_fwd + p.attn_fwd + p.elem_fwd + p.a2a
-    recompute = (p.linear_fwd + (0 if lv.keep_attention else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
+    recompute = (p.linear_fwd + (0 if keep else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
     backward = 2 * p.linear_fwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled else 0)
     # overlapped: the offload's copies of a checkpointed layer's input and kept outputs (out in the forward, back in
     # the backward); ZeRO-3's gathers (forward, recompute, backward) and the gradients' reduce-scatter
     host = 0.0
     if lv.offload_activations and checkpointed:
         per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
-        saved = t * g["hidden"] * b + (t * (g["attn_width"] * b + g["heads"] * 4) if lv.keep_attention else 0)
+        saved = t * g["hidden"] * b + (t * (shape.attn_width * b + shape.heads * 4) if keep else 0)
         host = saved / per_gpu
-    share = 2 * g["layer_params"] * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
+    share = 2 * shape.params * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
     gather = share if run.zero_stage == 3 else 0.0
     reduce = share if run.zero_stage >= 2 else 0.0
+    mixer = "attention" if shape.span.attention else "linear attention"
     return {"matmul": p.linear_fwd * (4 if checkpointed else 3) + (p.mlp_fwd if tiled else 0),
-            "attention": p.attn_fwd * (2 if checkpointed and not lv.keep_attention else 1) + p.attn_bwd,
+            mixer: p.attn_fwd * (2 if checkpointed and not keep else 1) + p.attn_bwd,
             "elementwise": p.elem_fwd * (2 if checkpointed else 1) + p.elem_bwd + (p.swiglu_fwd if tiled else 0),
             "all-to-all": p.a2a * (3 if checkpointed else 2),
             "forward": max(forward, host, gather),
@@ -282,17 +353,21 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     """Seconds of one optimizer step: `total`, and per part (compute seconds of each kind; `exposed` copies and
     collectives, what they add beyond the compute they overlap)."""
     g, lv = run.g, run.levers
-    n_ckpt, p = lv.checkpointed(g["layers"]), _pass(run, c)
-    layers = [(n_ckpt, _layer(run, c, p, True)), (g["layers"] - n_ckpt, _layer(run, c, p, False))]
+    n_ckpt = lv.checkpointed(g["layers"])
+    # the first n_ckpt layers are checkpointed; alike layers are counted once
+    kinds = Counter((shape, i < n_ckpt) for i, shape in enumerate(g["layer_shapes"]))
+    layers = [(count, _layer(run, c, shape, checkpointed)) for (shape, checkpointed), count in kinds.items()]
     t = run.micro * math.ceil(run.seq_len / run.sp)
     loss_tflops = c.liger_loss_tflops if lv.loss_kernel == "liger" else c.loss_tflops
     loss = 6 * t * g["vocab"] * g["hidden"] / (loss_tflops * 1e12)
     parts = {k: 0.0 for k in ("matmul", "attention", "elementwise", "all-to-all")}
+    if g["linear_attn"]:
+        parts["linear attention"] = 0.0
     wall = loss
     hidden_comm = {"host copies": 0.0, "zero-3": 0.0}
     for count, layer in layers:
         for k in parts:
-            parts[k] += count * layer[k]
+            parts[k] += count * layer.get(k, 0.0)
         for k in hidden_comm:
             hidden_comm[k] += count * layer[k]
         wall += count * (layer["forward"] + layer["backward"])

@@ -35,6 +35,7 @@ from ..sp import dims
 from ..sp.attention import register_ulysses_attention
 from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
 from ..sp.kernels import resolve_kernel
+from ..sp.support import check_support, describe_layers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, ring_size_number, write_resolved_config
 from .resume import apply_schedule, plan_run, training_settings
@@ -121,6 +122,9 @@ class Trainer:
         use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
+        # before the data and the model: a layer this run cannot make exact stops it here (sp/support.py)
+        self.layers = check_support(self.model_config, sp_size, ring_size, self.kernel, self.device.type,
+                                    cfg.packing)
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
         raw_ds = load_ds_config(cfg.ds_config)
         self.ds = resolve_ds_config(raw_ds, cfg, explicit, parallel.dp_size, sp_size, self.model_config.hidden_size,
@@ -154,7 +158,8 @@ class Trainer:
         self.log(f"world {self.world} = dp {parallel.dp_size} x sp {self.describe_sp()} | kernel {self.kernel} | dtype "
                  f"{self.dtype} | micro {self.micro} x accum {self.accum} | seq_len {self.seq_len} | "
                  f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.module.parameters()) / 1e6:.1f}M params | "
-                 f"{self.model_config.num_hidden_layers} layers | {self.describe_levers()} | rope {self.rope} | "
+                 f"{self.model_config.num_hidden_layers} layers ({describe_layers(self.layers)}) | "
+                 f"{self.describe_levers()} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
         if self.rank == 0:
             write_resolved_config(cfg)

@@ -124,6 +124,13 @@ def _no_init_weights():
     return no_init_weights()
 
 
+def _supports_sdpa(model_config) -> bool:
+    """Whether transformers runs this family with SDPA (the families whose attention SDPA cannot express do not)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)], "_supports_sdpa", True)
+
+
 def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
                    device: torch.device) -> tuple[float, dict, dict]:
     """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
@@ -134,7 +141,9 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
     # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
     # alone); the buffers are computed in __init__ exactly as with it
     attention = "sdpa"
-    if dtype == torch.float32:
+    if not _supports_sdpa(model_config):  # GPT-OSS's sinks, Gemma 2's softcap: transformers' own is eager
+        attention = "eager"
+    elif dtype == torch.float32:
         _register_reference_attention()
         attention = REFERENCE_FP32_ATTENTION
     with _without_zero3(), _no_init_weights():

@@ -1,0 +1,107 @@
+"""Families beyond full attention under Ulysses SP equal plain transformers: sliding windows (Gemma 3 and 4, OLMo 3,
+windowed Mistral, GPT-OSS), attention sinks (GPT-OSS), attention and final logit softcaps (Gemma 2), chunked
+attention with NoPE layers and their temperature tuning (Llama 4 text), NoPE layers (SmolLM3), Gemma 4's wider
+global heads and shared-KV layers. The window (8) and the chunks (8) are shorter than each rank's shard, so every
+rank's queries reach keys another rank projected.
+
+Reference: transformers' eager attention (the only one every family supports) on the same weights, fp32, one
+process, computed in the same test, with the whole sequence and, packed, with position ids restarting at each
+document (transformers then keeps the documents apart itself, and cuts Llama 4's chunks from each document's
+start). GPT-OSS's own packed row lets documents see each other (transformers' mask for it ignores the restarting
+positions), so its packed reference runs each document alone, which is what packing means. Each rank runs our attention ("ulysses", SDPA
+kernel), our fused loss head, and back-propagates its share; the sum of the ranks' gradients must equal the
+reference's. One launch per SP size runs every family, packed and not."""
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.models import FRONTIER, frontier_config, perturb_sinks
+
+SEQ = 48
+DOCS = [20, 28]  # the packed case: two documents, the boundary inside rank 0's shard at SP=2
+SP4 = ["gemma4_text", "gpt_oss", "llama4_text"]  # 8 query heads; Gemma 4's 2 global KV heads replicated at SP=4
+
+
+def _positions(packed: bool) -> torch.Tensor:
+    if not packed:
+        return torch.arange(SEQ)[None]
+    return torch.cat([torch.arange(n) for n in DOCS])[None]
+
+
+PACKED_ALONE = {"gpt_oss"}  # transformers' packed row is not the documents apart: the reference runs each alone
+
+
+def _reference_loss(model, ids, packed: bool, alone: bool):
+    """The mean over every target of the row (each document's last token predicts the next one's first, as the
+    trainer's shifted labels do), as transformers computes it: on the packed row, or each document alone."""
+    if not (packed and alone):
+        return model(input_ids=ids, position_ids=_positions(packed), labels=ids).loss
+    logits = torch.cat([model(input_ids=ids[:, a:a + n]).logits for a, n in zip((0, DOCS[0]), DOCS)], dim=1)
+    return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+
+
+def _reference(name: str, seed: int, packed: bool):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(frontier_config(name), attn_implementation="eager")
+    perturb_sinks(model, seed)
+    ids = torch.randint(3, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    loss = _reference_loss(model, ids, packed, name in PACKED_ALONE)
+    loss.backward()
+    return model.state_dict(), ids, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _sharded(rank, world, cases):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.sharding import shard_sequence
+
+    group = dist.new_group(list(range(world)))
+    attention = register_ulysses_attention(group, "sdpa")
+    results = {}
+    for name, seed, packed in cases:
+        state, ids, _, _ = _reference(name, seed, packed)
+        model = AutoModelForCausalLM.from_config(frontier_config(name), attn_implementation="ulysses")
+        model.load_state_dict(state)
+        install_loss_head(model, fused=True, chunk_size=16)
+        shard = shard_sequence(ids, world, rank, position_ids=_positions(packed))
+        attention.doc_lengths = [DOCS] if packed else None
+        loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
+                                         global_token_count(shard["labels"], group))
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        grads = {}
+        for pname, param in model.named_parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)  # an expert no token chose
+            dist.all_reduce(grad, group=group)
+            grads[pname] = grad
+        results[(name, packed)] = (total.item(), grads)
+    return results
+
+
+def _check(results, cases):
+    for name, seed, packed in cases:
+        _, _, ref_loss, ref_grads = _reference(name, seed, packed)
+        for by_case in results:
+            loss, grads = by_case[(name, packed)]
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (name, packed)
+            for pname, ref in ref_grads.items():  # per tensor, as --verify measures: fp32 sums in another order
+                error = ((grads[pname] - ref).norm() / ref.norm()).item() if ref.norm() > 0 else grads[pname].norm()
+                assert error <= 1e-5, f"{name} (packed {packed}), {pname}: relative error {error:.2e}"
+
+
+def test_every_frontier_family_at_sp2_matches_transformers_packed_and_not():
+    cases = [(name, 3 + i, packed) for i, name in enumerate(FRONTIER) for packed in (False, True)]
+    _check(run_distributed(_sharded, 2, cases), cases)
+
+
+def test_frontier_families_at_sp4_with_replicated_kv_heads_match_transformers():
+    cases = [(name, 11 + i, False) for i, name in enumerate(SP4)]
+    _check(run_distributed(_sharded, 4, cases), cases)

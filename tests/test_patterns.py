@@ -1,0 +1,76 @@
+"""Sliding windows, attention sinks and logit softcaps in each kernel path against plain attention (autograd through
+the explicit scores, fp64 on the CPU), packed and not: SDPA's banded and sink paths (sp/patterns.py) and FA4's
+registered ops with their plain-ops reference in place of the kernel (sp/fa4_op.py). Chunked attention's
+documents, and the banded path's memory (no mask larger than a block and its window)."""
+
+import pytest
+import torch
+
+from ulysses_train.sp import fa4_op, kernels, patterns
+from ulysses_train.sp.patterns import Pattern, chunk_documents
+
+S, H, KV, D = 40, 4, 2, 8
+SCALE = 0.3
+
+
+def _plain(q, k, v, docs, window, softcap, sinks):
+    """The attention every family's eager code computes, on the whole (b, h, s, d) row, with the documents apart."""
+    k, v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * SCALE
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs)).to(q.device)
+    i, j = torch.arange(S, device=q.device)[:, None], torch.arange(S, device=q.device)[None]
+    keep = (j <= i) & (doc[:, None] == doc[None])
+    if window:
+        keep &= j > i - window
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return (torch.softmax(scores, dim=-1)[..., :S] @ v).transpose(1, 2)
+
+
+CASES = [dict(window=6), dict(sinks=True), dict(window=6, sinks=True), dict(softcap=1.5),
+         dict(softcap=1.5, window=6), dict(softcap=1.5, sinks=True, window=6)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "+".join(c))
+@pytest.mark.parametrize("docs", [None, [15, 25]])
+@pytest.mark.parametrize("kernel", ["sdpa", "flash_attn_4"])
+def test_pattern_matches_plain_attention(case, docs, kernel, monkeypatch):
+    monkeypatch.setattr(fa4_op, "IMPL", dict(fa4_op.REFERENCE_IMPL))  # FA4's op plumbing, exact kernels on CPU
+    g = torch.Generator().manual_seed(len(case) + (docs is not None))
+    q = torch.randn(1, H, S, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, KV, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64) if case.get("sinks") else None
+    dout = torch.randn(1, S, H, D, generator=g, dtype=torch.float64)
+    results = []
+    for run in ("plain", "ours"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if sinks
+                                                                   is not None else [])
+        s = inputs[3] if sinks is not None else None
+        if run == "plain":
+            out = _plain(*inputs[:3], docs or [S], case.get("window"), case.get("softcap"), s)
+        else:
+            pattern = Pattern(case.get("window"), case.get("softcap"), s)
+            out = kernels.KERNELS[kernel](*inputs[:3], SCALE, [docs] if docs else None, pattern)
+        grads = torch.autograd.grad(out, inputs, dout)
+        results.append((out, grads))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got_grads, want_grads):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_band_never_builds_a_mask_wider_than_a_block_and_its_window(monkeypatch):
+    shapes = []
+    band = patterns._band_mask
+    monkeypatch.setattr(patterns, "_band_mask", lambda q, k, w: shapes.append((len(q), len(k))) or band(q, k, w))
+    q = torch.randn(1, 2, 2048, 8)
+    patterns.patterned_sdpa(q, q, q, 0.3, None, Pattern(window=32), block=128)
+    assert max(b for _, b in shapes) <= 128 + 32 and len(shapes) <= 3  # the interior blocks share one mask
+
+
+def test_chunks_are_cut_from_each_documents_start():
+    assert chunk_documents(None, 2, 20, 8) == [[8, 8, 4], [8, 8, 4]]
+    assert chunk_documents([[5, 15]], 1, 20, 8) == [[5, 8, 7]]

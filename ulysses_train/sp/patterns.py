@@ -1,0 +1,142 @@
+"""What a layer's attention does beyond full causal attention, and the exact SDPA path for it.
+
+A `Pattern` is one layer's sliding window, attention sinks and logit softcap, as the kernels take it (chunked
+attention never reaches a kernel: `chunk_documents` turns its chunks into documents, which every kernel already
+keeps apart). Conventions are transformers': a window of `w` lets a query see the `w` keys ending at itself
+(its SDPA mask keeps `kv > q - w`, its FlashAttention path passes `(w - 1, 0)`); a sink `s_h` adds `exp(s_h)` to
+every row's softmax denominator of head `h` (GPT-OSS's eager attention); a softcap `c` maps each score `x` to
+`c * tanh(x / c)` before the mask (Gemma 2).
+
+`patterned_sdpa` is the SDPA kernel for these, exact and never s x s in memory:
+- a window runs in query blocks of `block` rows against only the keys their window reaches, with one band mask
+  shared by every block away from a document's start: O(s x (block + w)) per layer;
+- sinks join as one extra key that every query sees: each k gets a zero column and q a column of ones, the sink
+  key is `s_h / scale` in that column (so its score is exactly `s_h`) with a zero value, and a dummy query row in
+  front keeps SDPA's top-left causal alignment (query i+1 sees the sink and keys 0..i);
+- a softcap, which SDPA cannot express, runs the scores explicitly per query block, each block recomputed in the
+  backward (checkpointed), so only one block's scores are ever alive. Exact, and slow: on CUDA the support check
+  sends softcapped models to FA2 or FA4 instead (support.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One layer's attention beyond full causal: for this rank's heads, after the all-to-all."""
+
+    window: Optional[int] = None  # keys a query sees, itself included
+    softcap: Optional[float] = None
+    sinks: Optional[Tensor] = None  # (heads on this rank,): the sink logit of each
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None and self.sinks is None
+
+
+FULL = Pattern()
+
+
+def chunk_documents(docs: Optional[list[list[int]]], batch: int, seq_len: int, chunk: int) -> list[list[int]]:
+    """Each document cut into pieces of `chunk` positions from its start (as transformers cuts a packed row's
+    documents): chunked attention is causal attention inside each piece."""
+    rows = docs if docs is not None else [[seq_len]] * batch
+    return [[min(chunk, n - a) for n in lengths for a in range(0, n, chunk)] for lengths in rows]
+
+
+def _band_mask(q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
+    """(nq, nk) bool: key visible to query (causal, and inside the window)."""
+    keep = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        keep &= k_pos[None, :] > q_pos[:, None] - window
+    return keep
+
+
+def _with_sink(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """q (b, h, n, d), k/v (b, kv, m, d) -> one more head column and one sink key in front: q (b, h, n, d+1),
+    k (b, h, m+1, d+1), v (b, h, m+1, d). The KV heads are copied to every query head: each head has its own sink."""
+    b, h, _, d = q.shape
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    q = torch.cat([q, q.new_ones(*q.shape[:-1], 1)], dim=-1)
+    k = torch.cat([k, k.new_zeros(*k.shape[:-1], 1)], dim=-1)
+    sink_key = torch.cat([k.new_zeros(b, h, 1, d), (sinks.to(k.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1)],
+                         dim=-1)
+    return q, torch.cat([sink_key, k], dim=2), torch.cat([v.new_zeros(b, h, 1, v.shape[-1]), v], dim=2)
+
+
+def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: Optional[float],
+              sinks: Optional[Tensor]) -> Tensor:
+    """Scores in plain ops (softmax in fp32 at least): q (b, h, n, d), k/v (b, kv, m, d), mask (n, m) -> (b, h, n, d)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :k.shape[2]]
+    return probs.to(v.dtype) @ v
+
+
+def _block(q, k, v, mask, scale, pattern: Pattern) -> Tensor:
+    """One query block against its keys, (b, h, n, d)."""
+    if pattern.softcap is not None:  # SDPA has no softcap: explicit scores, recomputed in the backward
+        return checkpoint(_explicit, q, k, v, mask, scale, pattern.softcap, pattern.sinks, use_reentrant=False)
+    if pattern.sinks is not None:
+        q, k, v = _with_sink(q, k, v, pattern.sinks, scale)
+        mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _causal_with_sinks(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> Tensor:
+    """Full causal attention with sinks, no mask tensor: a dummy query in front aligns SDPA's causal mask."""
+    q, k, v = _with_sink(q, k, v, sinks, scale)
+    q = torch.cat([q.new_zeros(*q.shape[:2], 1, q.shape[-1]), q], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, 1:]
+
+
+def _segment(q: Tensor, k: Tensor, v: Tensor, scale: float, pattern: Pattern, block: int) -> Tensor:
+    """One document: q (b, h, n, d), k/v (b, kv, n, d) -> (b, h, n, d)."""
+    n = q.shape[2]
+    if pattern.window is None and pattern.softcap is None:
+        return _causal_with_sinks(q, k, v, pattern.sinks, scale)
+    reach = pattern.window if pattern.window is not None else n  # how far back a query's keys go
+    positions = torch.arange(n, device=q.device)
+    masks: dict[tuple[int, int, int], Tensor] = {}  # one band mask for every block of the same shape
+    outs = []
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        lo = max(0, a - reach + 1)
+        key = (b - a, b - lo, a - lo)
+        if key not in masks:
+            masks[key] = _band_mask(positions[a:b], positions[lo:b], pattern.window)
+        outs.append(_block(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], masks[key], scale, pattern))
+    return torch.cat(outs, dim=2)
+
+
+def patterned_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, docs: Optional[list[list[int]]],
+                   pattern: Pattern, block: int = 1024) -> Tensor:
+    """q (b, h, s, d), k/v (b, kv, s, d), causal inside each document with `pattern` -> (b, s, h, d)."""
+    rows = docs if docs is not None else [[q.shape[2]]] * q.shape[0]
+    block = max(block, pattern.window or 0)
+    out_rows = []
+    for r, lengths in enumerate(rows):
+        pieces, start = [], 0
+        for n in lengths:
+            cut = slice(start, start + n)
+            pieces.append(_segment(q[r:r + 1, :, cut], k[r:r + 1, :, cut], v[r:r + 1, :, cut], scale, pattern,
+                                   block))
+            start += n
+        out_rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(out_rows, dim=0).transpose(1, 2)

@@ -1,0 +1,230 @@
+"""Which model families and layers the trainer runs exactly, decided from the model's config before anything is built.
+
+Ulysses gives each rank the whole sequence for a subset of heads, so whatever a layer does per head along the sequence
+(a sliding window, a sink logit, a logit softcap, chunked attention) is the kernel's business on the gathered
+sequence, and is exact. The danger is a layer that never passes through the attention interface (a Gated DeltaNet
+or Mamba mixer): it would run on its rank's shard as if the sequence started there, with a normal-looking loss and
+wrong gradients. So nothing is assumed: a family the trainer has not checked, a layer type it does not know, or a
+feature it has not built for this run's SP, ring and kernel is a ConfigError naming what would work.
+
+`layer_mixers(config)` reads one `LayerMixer` per decoder layer from the config (its `layer_types`, `sliding_window`,
+`attention_chunk_size`, `no_rope_layers`, softcaps, sinks, per-layer heads); `check_support` applies this run's
+sizes and kernel to them. The trainer, `--verify`, `plan` and `eval_positions` call `check_support`; the attention
+function (attention.py) reads the same table at run time and refuses any argument it was not told about.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import ConfigError
+from . import dims
+
+
+ALL_KERNELS = "FA4, FA2, SDPA"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family the trainer has made exact: what its decoder layers hold and where they run exactly, as the
+    README's table shows it (tests/test_support.py checks each claim against `check_support`)."""
+
+    name: str
+    features: str  # what its attention layers do beyond full causal attention ("" when nothing)
+    kernels: str = ALL_KERNELS  # the attention kernels that run it exactly
+    ring: bool = True  # exact under --ring_size > 1 too
+    sequence_parallel: bool = True  # False: --sp_size 1 only
+    packing: bool = True  # False: --packing refused (a recurrence would run across documents)
+    window_from_config: bool = False  # no `layer_types`: every layer slides when `sliding_window` is set (Mistral)
+
+
+_WINDOWED = dict(ring=False)
+_LINEAR = dict(sequence_parallel=False, packing=False)
+
+# model_type -> family; every entry is checked against plain transformers in tests/test_frontier_families.py,
+# tests/test_model_families.py and tests/test_model_equivalence.py
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", "full attention"),
+    "qwen2": Family("Qwen2 / Qwen2.5", "full attention"),
+    "qwen3": Family("Qwen3", "full attention"),
+    "qwen3_moe": Family("Qwen3-MoE", "full attention, sparse MoE"),
+    "mistral": Family("Mistral", "sliding window when `sliding_window` is set", window_from_config=True,
+                      **_WINDOWED),
+    "gemma2": Family("Gemma 2", "sliding window, attention logit softcap, final logit softcap",
+                     kernels="FA4, FA2 (SDPA on CPU)", **_WINDOWED),
+    "gemma3_text": Family("Gemma 3 (text)", "sliding window on 5 of 6 layers", **_WINDOWED),
+    "gemma4_text": Family("Gemma 4 (text)", "sliding window, wider global heads, shared-KV layers", **_WINDOWED),
+    "olmo3": Family("OLMo 3", "sliding window on 3 of 4 layers", **_WINDOWED),
+    "gpt_oss": Family("GPT-OSS", "sliding window, attention sinks, sparse MoE", kernels="FA4, SDPA", **_WINDOWED),
+    "llama4_text": Family("Llama 4 (text)", "chunked attention, NoPE layers with temperature tuning, MoE",
+                          **_WINDOWED),
+    "smollm3": Family("SmolLM3", "NoPE layers"),
+    "qwen3_5_text": Family("Qwen3.5 (text)", "Gated DeltaNet layers, gated attention", **_LINEAR),
+    "qwen3_5_moe_text": Family("Qwen3.5-MoE (text)", "Gated DeltaNet layers, gated attention, MoE", **_LINEAR),
+    "qwen3_next": Family("Qwen3-Next", "Gated DeltaNet layers, gated attention, MoE", **_LINEAR),
+}
+
+
+def supported_models_table() -> str:
+    """The README's table of supported models, made from FAMILIES (tests/test_support.py keeps the README equal)."""
+    rows = ["| family | `model_type` | layers | exact under SP | ring (`--ring_size`) | packing | kernels |",
+            "|---|---|---|---|---|---|---|"]
+    for model_type, f in FAMILIES.items():
+        rows.append(f"| {f.name} | `{model_type}` | {f.features} | {'yes' if f.sequence_parallel else 'SP=1 only'} "
+                    f"| {'yes' if f.ring and f.sequence_parallel else 'refused'} | {'yes' if f.packing else 'refused'} "
+                    f"| {f.kernels} |")
+    return "\n".join(rows)
+
+
+# layer types whose token mixer is not attention, with what they are (the refusal names them)
+LINEAR_MIXERS = {"linear_attention": "Gated DeltaNet"}
+
+
+@dataclass(frozen=True)
+class LayerMixer:
+    """One decoder layer's token mixer, as the config describes it."""
+
+    kind: str  # "attention", or the config's layer type for anything else ("linear_attention", ...)
+    q_heads: int = 0
+    kv_heads: int = 0
+    window: Optional[int] = None  # keys a query sees, itself included (transformers' `sliding_window`)
+    chunk: Optional[int] = None  # block-diagonal causal attention in blocks of this many positions
+    sinks: bool = False  # a learned per-head logit in every row's softmax denominator (GPT-OSS's `sinks`)
+    softcap: Optional[float] = None  # scores -> softcap * tanh(scores / softcap) before the softmax
+    rope: bool = True  # False: a NoPE layer
+    temperature_tuning: bool = False  # Llama 4's NoPE layers scale q by a function of the position
+
+    @property
+    def attention(self) -> bool:
+        return self.kind == "attention"
+
+    def describe(self) -> str:
+        if not self.attention:
+            return f"{self.kind} ({LINEAR_MIXERS.get(self.kind, 'not attention')})"
+        parts = [f"window {self.window}" if self.window else "", f"chunks of {self.chunk}" if self.chunk else "",
+                 "sinks" if self.sinks else "", f"softcap {self.softcap:g}" if self.softcap else "",
+                 "" if self.rope else "NoPE"]
+        return "attention" + "".join(f", {p}" for p in parts if p)
+
+
+def family_of(config) -> Family:
+    """The family of `config`, or a ConfigError saying why the trainer will not run it."""
+    model_type = config.model_type
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    if getattr(config, "text_config", None) is not None:
+        text_type = getattr(config.text_config, "model_type", "?")
+        hint = (f"train its text model: a config of model_type {text_type!r}" if text_type in FAMILIES else
+                f"its text model ({text_type}) is not supported either")
+        raise ConfigError(f"model type {model_type!r} is a multimodal wrapper, which the trainer does not build: "
+                          f"{hint} (--model_config with the text config, or --model with a text-only checkpoint)")
+    known = ", ".join(sorted(FAMILIES))
+    raise ConfigError(f"model type {model_type!r} is not among the families the trainer has made exact ({known}). "
+                      f"Its layers are never assumed to be full attention: see the supported models in the README")
+
+
+def _per_layer_heads(config, index: int) -> tuple[int, int]:
+    """Query and KV heads of layer `index` (Gemma 4's global layers have their own KV heads)."""
+    q = config.num_attention_heads
+    per_layer = getattr(config, "per_layer_config", None)
+    layer = per_layer[index] if per_layer is not None else config  # a view indexed by layer (heterogeneous configs)
+    try:  # a heterogeneous config refuses its own value where the layers' differ
+        kv = getattr(layer, "num_key_value_heads", None)
+    except (AttributeError, ValueError):
+        kv = None
+    return q, kv or q
+
+
+def _layer_types(config, family: Family) -> list[str]:
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types:
+        sliding = family.window_from_config and getattr(config, "sliding_window", None)
+        return ["sliding_attention" if sliding else "full_attention"] * n
+    if len(types) < n:
+        raise ConfigError(f"the model config lists {len(types)} layer_types for {n} layers")
+    return types[:n]
+
+
+def layer_mixers(config) -> list[LayerMixer]:
+    """One LayerMixer per decoder layer of `config`; an unknown family or layer type is a ConfigError."""
+    family = family_of(config)
+    no_rope = getattr(config, "no_rope_layers", None)  # 1: the layer uses rotary positions (SmolLM3, Llama 4)
+    sinks = config.model_type == "gpt_oss"
+    softcap = getattr(config, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
+    tuning = bool(getattr(config, "attn_temperature_tuning", False))
+    mixers = []
+    for index, layer_type in enumerate(_layer_types(config, family)):
+        q, kv = _per_layer_heads(config, index)
+        rope = bool(no_rope[index]) if no_rope else True
+        if layer_type in ("full_attention", "sliding_attention", "chunked_attention"):
+            mixers.append(LayerMixer(
+                "attention", q, kv, window=config.sliding_window if layer_type == "sliding_attention" else None,
+                chunk=config.attention_chunk_size if layer_type == "chunked_attention" else None, sinks=sinks,
+                softcap=softcap or None, rope=rope, temperature_tuning=tuning and not rope))
+        elif layer_type in LINEAR_MIXERS:
+            mixers.append(LayerMixer(layer_type))
+        else:
+            raise ConfigError(f"model type {config.model_type!r}: layer {index} is of type {layer_type!r}, which the "
+                              f"trainer does not know; it is never assumed to be full attention")
+    return mixers
+
+
+def _count(mixers: list[LayerMixer], keep) -> str:
+    return f"{sum(1 for m in mixers if keep(m))} of {len(mixers)}"
+
+
+def _refusals(config, mixers: list[LayerMixer], sp_size: int, ring_size: int, kernel: str,
+              device_type: str, packing: bool) -> list[str]:
+    """Every reason this run cannot be exact, each naming what would work."""
+    why, model = [], config.model_type
+    for kind, n in Counter(m.kind for m in mixers if not m.attention).items():
+        what = f"`{kind}` layers ({n} of {len(mixers)}, {LINEAR_MIXERS[kind]})"
+        if sp_size > 1:
+            why.append(f"{what} are not sharded exactly under sequence parallelism yet (each rank would run them "
+                       f"on its own shard): --sp_size 1 works")
+        if packing:
+            why.append(f"{what} would carry their state across packed documents: drop --packing")
+    if getattr(config, "use_bidirectional_attention", False):
+        why.append("bidirectional attention (use_bidirectional_attention) is not built: the kernels are causal")
+    if ring_size > 1:
+        for what, keep in (("sliding-window", lambda m: m.window), ("chunked", lambda m: m.chunk),
+                           ("sink", lambda m: m.sinks), ("softcapped", lambda m: m.softcap),
+                           ("temperature-tuned NoPE", lambda m: m.temperature_tuning)):
+            if any(keep(m) for m in mixers):
+                why.append(f"{what} attention layers ({_count(mixers, keep)}) under --ring_size {ring_size} are not "
+                           f"built: use --ring_size 1 (Ulysses alone)")
+    if any(m.softcap for m in mixers) and kernel == "sdpa" and device_type == "cuda":
+        why.append("the attention logit softcap has no SDPA kernel on CUDA: --attn_kernel flash_attn (FA2) or "
+                   "flash_attn_4")
+    if any(m.sinks for m in mixers) and kernel == "flash_attn":
+        why.append("attention sinks have no FA2 kernel: --attn_kernel flash_attn_4 or sdpa")
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        why.append("the MoE router's load-balancing loss (output_router_logits) is not in the trainer's loss yet: "
+                   "set output_router_logits to false in the model config")
+    return [f"{model}: {w}" for w in why]
+
+
+def check_support(config, sp_size: int = 1, ring_size: int = 1, kernel: str = "sdpa", device_type: str = "cpu",
+                  packing: bool = False) -> list[LayerMixer]:
+    """The layers of `config`, if this run (SP and ring sizes, resolved attention kernel, device, packing) is exact
+    for every one of them; otherwise one ConfigError listing every reason. Every layer's heads are checked against
+    the Ulysses degree, not only the config's first numbers."""
+    mixers = layer_mixers(config)
+    why = _refusals(config, mixers, sp_size, ring_size, kernel, device_type, packing)
+    if why:
+        raise ConfigError("this run would not be exact:\n  " + "\n  ".join(why))
+    for q, kv in sorted({(m.q_heads, m.kv_heads) for m in mixers if m.attention}):
+        dims.check_heads(sp_size, q, kv, ring_size)
+    return mixers
+
+
+def describe_layers(mixers: list[LayerMixer]) -> str:
+    """One line for the log: each kind of layer and how many."""
+    return ", ".join(f"{n} x {kind}" for kind, n in Counter(m.describe() for m in mixers).items())
+
+
+if __name__ == "__main__":  # the README's table: python -m ulysses_train.sp.support
+    print(supported_models_table())
