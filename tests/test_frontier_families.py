@@ -105,3 +105,20 @@ def test_every_frontier_family_at_sp2_matches_transformers_packed_and_not():
 def test_frontier_families_at_sp4_with_replicated_kv_heads_match_transformers():
     cases = [(name, 11 + i, False) for i, name in enumerate(SP4)]
     _check(run_distributed(_sharded, 4, cases), cases)
+
+
+def test_verify_passes_for_every_frontier_family_at_sp2(tmp_path):
+    """`--verify` (the trainer as configured, ZeRO-3, every lever the policy picks, against plain transformers) at
+    SP=2 for each family, one trainer after another in one launch."""
+    from tests.test_verify import _check
+
+    settings = []
+    for name in FRONTIER:
+        path = tmp_path / f"{name}.json"
+        path.write_text(frontier_config(name).to_json_string())
+        settings.append(["--model_config", str(path), "--sp_size", "2", "--verify_seq_len", "64",
+                         "--ds_config", "ds_configs/zero3.json"])
+    results = run_distributed(_check, 2, settings, str(tmp_path), use_deepspeed=True)[0]
+    for name, result in zip(FRONTIER, results):
+        assert result["passed"], (name, result)
+        assert "sp 2 x dp 1" in result["setup"] and result["ours"]["grad_max"] < 1e-5, name

@@ -6,7 +6,7 @@ saying why, instead of running with fewer patched modules than the planner count
 import pytest
 import torch
 
-from tests.models import tiny_config
+from tests.models import any_tiny_config
 from ulysses_train.errors import ConfigError
 from ulysses_train.levers.fused_kernels import kernels_run_on
 from ulysses_train.levers.policy import LeverRequest, Levers
@@ -21,6 +21,17 @@ EXPECTED = {
     "mistral": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
     "qwen2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
     "qwen3_moe": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "SwiGLU": 0, "tiled MLP": 0},
+    # beyond full attention (tests/models.py FRONTIER): Gemma's `1 + weight` norms and GELU-gated MLPs, OLMo 3's and
+    # GPT-OSS's and Llama 4's norms, and the rotary of Gemma 4, GPT-OSS and Llama 4 compute something else, so
+    # transformers' ops stay; the MoE families have no dense MLP to tile (Llama 4's dense layers are `feed_forward`)
+    "gemma2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 2, "SwiGLU": 0, "tiled MLP": 2},
+    "gemma3_text": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 2, "SwiGLU": 0, "tiled MLP": 2},
+    "gemma4_text": {"checkpointing": 4, "loss head": 1, "RMSNorm": 0, "rotary": 0, "SwiGLU": 0, "tiled MLP": 4},
+    "olmo3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "mistral_window": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "gpt_oss": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 0, "SwiGLU": 0, "tiled MLP": 0},
+    "llama4_text": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 0, "SwiGLU": 0, "tiled MLP": 0},
+    "smollm3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
 }
 ALL_ON = Levers(keep_attention=True, tiled_mlp=True, lean_norm=True, fused_kernels=True)
 
@@ -31,7 +42,7 @@ def _model(family):
     from ulysses_train.sp.attention import register_ulysses_attention
 
     register_ulysses_attention(None, "sdpa")
-    return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="ulysses")
+    return AutoModelForCausalLM.from_config(any_tiny_config(family), attn_implementation="ulysses")
 
 
 def _apply(model, levers, request):
@@ -44,10 +55,11 @@ def _apply(model, levers, request):
 def test_every_patch_takes_the_modules_it_declares(family):
     levers, report = _apply(_model(family), ALL_ON, LeverRequest(tiled_mlp="auto", fused_kernels="auto"))
     assert {name: done for name, (done, _) in report.counts.items()} == EXPECTED[family]
-    assert all(done == expected for done, expected in report.counts.values()), report.counts
-    assert levers.fused_kernels and levers.lean_norm and levers.keep_attention
+    if family in ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe"):  # the families whose modules all match
+        assert all(done == expected for done, expected in report.counts.values()), report.counts
+        assert levers.fused_kernels and levers.lean_norm and levers.keep_attention
     # Qwen3-MoE has no dense MLP to tile: auto turns the lever off, and says so
-    assert levers.tiled_mlp == (family != "qwen3_moe")
+    assert levers.tiled_mlp == (EXPECTED[family]["tiled MLP"] > 0)
     if family == "qwen3_moe":
         assert levers.why["tiled_mlp"].startswith("auto: off, no module of Qwen3MoeForCausalLM")
         with pytest.raises(ConfigError, match="--tiled_mlp: no module of this Qwen3MoeForCausalLM matched"):

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from ..sp.attention import ATTN_NAME
+from ..sp.support import layer_mixers
 from .buffers import restore_fp32_buffers
 from ..errors import ConfigError
 from ..paths import local_or_hub
@@ -168,5 +169,8 @@ def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[
 
 
 def attention_heads(config) -> tuple[int, int]:
+    """Query and KV heads for the parallel sizes (sp/dims.py); where layers differ (Gemma 4's global layers), the
+    fewest KV heads any attention layer has. The support check then checks every layer's own (sp/support.py)."""
     q = config.num_attention_heads
-    return q, getattr(config, "num_key_value_heads", None) or q
+    kv = [m.kv_heads for m in layer_mixers(config) if m.attention]
+    return q, min(kv) if kv else q

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
 from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits, triton_importable
 from ..levers.lean_norm import fused_forward, lean_forward
-from ..levers.loss import LMHeadWithLoss, liger_check
+from ..levers.loss import LMHeadWithLoss, backbone, liger_check
 from ..levers.offload import HostOffload
 from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
@@ -178,7 +178,7 @@ class Patch:
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    return list(getattr(model.get_decoder(), "layers", []))
+    return list(getattr(backbone(model), "layers", []))
 
 
 def _count_layers(model: nn.Module) -> int:

@@ -250,7 +250,8 @@ def format_report(result: dict) -> str:
     ours, theirs, lim = result["ours"], result.get("transformers"), result["limits"]
     lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s) "
              f"({result['targets']:,} targets), {result['dtype']}, {result['setup']}",
-             f"  reference: plain transformers {result['transformers_version']}, SDPA, same weights and tokens; "
+             f"  reference: plain transformers {result['transformers_version']}, {result.get('reference_attention', 'SDPA')} "
+             f"attention, same weights and tokens; "
              f"fp32 loss {result['reference_loss']:.6f}, ours {result['loss']:.6f}",
              f"  {'error vs fp32':<26}{'ours':>12}{'transformers':>14}{'limit':>12}"]
     for key in STATS:
@@ -297,7 +298,9 @@ def run_verify(trainer) -> dict:
         result = {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
                   "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
-                  "transformers_version": transformers.__version__, "loss": loss, "reference_loss": ref_loss,
+                  "transformers_version": transformers.__version__,
+                  "reference_attention": "SDPA" if _supports_sdpa(trainer.model_config) else "eager",
+                  "loss": loss, "reference_loss": ref_loss,
                   "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),
                   "ours": asdict(ours), "transformers": asdict(theirs) if theirs else None, "limits": lim,
                   "buffers": len(ref_buffers), "buffer_mismatches": bad_buffers,
