@@ -47,7 +47,12 @@ FRONTIER = {
                         pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "smollm3": dict(COMMON, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
-FRONTIER_TYPES = {"mistral_window": "mistral"}  # test name -> model_type, where they differ
+# MoE routers' load-balancing loss over the whole sequence (a large coefficient, so that it shows in every gradient)
+BALANCED = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+FRONTIER["qwen3_moe_balanced"] = dict(TINY["qwen3_moe"], **BALANCED)
+FRONTIER["gpt_oss_balanced"] = dict(FRONTIER["gpt_oss"], **BALANCED)
+# test name -> model_type, where they differ
+FRONTIER_TYPES = {"mistral_window": "mistral", "qwen3_moe_balanced": "qwen3_moe", "gpt_oss_balanced": "gpt_oss"}
 
 
 def frontier_config(name: str):

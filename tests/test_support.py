@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tests.models import FRONTIER, LINEAR, TINY, any_tiny_config
+from tests.models import FRONTIER, FRONTIER_TYPES, LINEAR, TINY, any_tiny_config
 from ulysses_train.errors import ConfigError
 from ulysses_train.sp.support import FAMILIES, check_support, layer_mixers, supported_models_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTED = {**{t: t for t in TINY}, **{t: t for t in FRONTIER if t != "mistral_window"}, **{t: t for t in LINEAR}}
+TESTED = {**{t: t for t in TINY}, **{t: t for t in FRONTIER if t not in FRONTIER_TYPES}, **{t: t for t in LINEAR}}
 
 
 def _refused(config, **run) -> str:
@@ -92,8 +92,11 @@ def test_more_refusals_each_name_what_would_work():
     assert "softcap has no SDPA kernel on CUDA: --attn_kernel flash_attn (FA2) or flash_attn_4" in _refused(
         gemma2, kernel="sdpa", device_type="cuda")
     check_support(gemma2, kernel="sdpa", device_type="cpu")  # the exact explicit path
-    gpt_oss.output_router_logits = True
-    assert "set output_router_logits to false" in _refused(gpt_oss)
+    gpt_oss.output_router_logits = True  # its load-balancing loss is built (tests/test_frontier_families.py)
+    check_support(gpt_oss, sp_size=2)
+    llama4 = any_tiny_config("llama4_text")
+    llama4.output_router_logits = True
+    assert "set output_router_logits to false" in _refused(llama4)
     gemma3 = any_tiny_config("gemma3_text")
     gemma3.use_bidirectional_attention = True
     assert "bidirectional attention" in _refused(gemma3)

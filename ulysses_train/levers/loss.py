@@ -167,16 +167,52 @@ def backbone(model: nn.Module) -> nn.Module:
 
 
 class CausalLMWithSPLoss(nn.Module):
-    """One module whose forward is backbone + loss head, so the DeepSpeed engine's forward drives both."""
+    """One module whose forward is backbone + loss head, so the DeepSpeed engine's forward drives both.
 
-    def __init__(self, model: nn.Module):
+    A MoE whose config asks for `output_router_logits` adds its router's load-balancing loss as transformers does
+    (`loss + router_aux_loss_coef * aux`), with `aux` over the SP group's whole sequence (`router_aux_share`).
+    `sp_group`: the ranks sharing one sequence (None: this rank alone)."""
+
+    def __init__(self, model: nn.Module, sp_group=None):
         super().__init__()
         self.model = model
+        self.sp_group = sp_group
 
     def forward(self, input_ids, position_ids, labels, normalizer):
         # (b, s/sp) -> hidden (b, s/sp, H) -> scalar: this rank's share of the SP group's mean loss
-        hidden = backbone(self.model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)[0]
-        return self.model.get_output_embeddings()(hidden, labels=labels, normalizer=normalizer)
+        config = self.model.config
+        balance = bool(getattr(config, "output_router_logits", False))
+        out = backbone(self.model)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                   **({"output_router_logits": True} if balance else {}))
+        loss = self.model.get_output_embeddings()(out[0], labels=labels, normalizer=normalizer)
+        if balance:
+            # transformers adds the aux loss once per batch, and our loss is the step's token mean: weigh it by
+            # this batch's share of the step's targets, as the reference weighs each batch's loss
+            share = global_token_count(labels, self.sp_group) / normalizer
+            aux = router_aux_share(out.router_logits, config.num_experts, config.num_experts_per_tok, self.sp_group)
+            loss = loss + config.router_aux_loss_coef * share * aux
+        return loss
+
+
+def router_aux_share(router_logits: tuple, num_experts: int, top_k: int, sp_group=None) -> torch.Tensor:
+    """This rank's share of transformers' load-balancing loss (Switch Transformer's, its `load_balancing_loss_func`)
+    over the SP group's whole sequence: E x sum_e f_e P_e, with f_e the fraction of (token, layer) rows that route
+    to expert e and P_e their mean router probability, both over every rank's rows. f carries no gradient, so it is
+    all-reduced, and each rank keeps its own rows' part of P: the ranks' shares add up to the whole sequence's loss
+    (each shard balancing only its own tokens would be a different, wrong loss). router_logits: per MoE layer
+    (rows on this rank, E)."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=router_logits[0].device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=counts.device)
+    for layer in router_logits:
+        probs = torch.softmax(layer.float(), dim=-1)  # (rows, E)
+        chosen = probs.topk(top_k, dim=-1).indices
+        counts[:num_experts] += torch.bincount(chosen.flatten(), minlength=num_experts).float()
+        counts[num_experts] += probs.shape[0]
+        prob_sum = prob_sum + probs.sum(dim=0)
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        dist.all_reduce(counts, group=sp_group)
+    rows = counts[num_experts].clamp(min=1.0)
+    return (counts[:num_experts] / rows * prob_sum / rows).sum() * num_experts
 
 
 # ---------------------------------------------------------------- Liger-Kernel's fused loss (--loss_kernel liger)

@@ -78,6 +78,10 @@ def supported_models_table() -> str:
     return "\n".join(rows)
 
 
+# MoE families whose router's load-balancing loss (transformers' `load_balancing_loss_func`) the trainer's loss adds
+# over the whole sequence (levers/loss.py: router_aux_share); tests/test_frontier_families.py checks them
+ROUTER_AUX_LOSS = {"qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
+
 # layer types whose token mixer is not attention, with what they are (the refusal names them)
 LINEAR_MIXERS = {"linear_attention": "Gated DeltaNet"}
 
@@ -201,9 +205,9 @@ def _refusals(config, mixers: list[LayerMixer], sp_size: int, ring_size: int, ke
                    "flash_attn_4")
     if any(m.sinks for m in mixers) and kernel == "flash_attn":
         why.append("attention sinks have no FA2 kernel: --attn_kernel flash_attn_4 or sdpa")
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
-        why.append("the MoE router's load-balancing loss (output_router_logits) is not in the trainer's loss yet: "
-                   "set output_router_logits to false in the model config")
+    if getattr(config, "output_router_logits", False) and model not in ROUTER_AUX_LOSS:
+        why.append("the MoE router's load-balancing loss (output_router_logits) is built for "
+                   f"{', '.join(sorted(ROUTER_AUX_LOSS))} only: set output_router_logits to false in the model config")
     return [f"{model}: {w}" for w in why]
 
 

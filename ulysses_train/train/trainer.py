@@ -147,7 +147,7 @@ class Trainer:
         self.attention = register_ulysses_attention(self.groups.ulysses_group, self.kernel, self.groups.ring_group)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
-        self.module = CausalLMWithSPLoss(self._build_model())
+        self.module = CausalLMWithSPLoss(self._build_model(), self.groups.sp_group)
         self.engine = self._init_engine()
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
         self.start_step = self._resume()
