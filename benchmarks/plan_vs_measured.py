@@ -12,20 +12,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.levers.policy import GiB, Levers  # noqa: E402
-from ulysses_train.model.build import load_model_config  # noqa: E402
 from ulysses_train.model.geometry import geometry  # noqa: E402
 from ulysses_train.tools.plan import estimate  # noqa: E402
+from benchmarks.time_vs_measured import FITTED, config_of  # noqa: E402
 
 print("| run | tokens | sp | layers | measured peak GiB | planner GiB | error |\n|---|---|---|---|---|---|---|")
-errors = []
+errors, unfitted = [], []
 for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "results", "*.json"))):
     r = json.load(open(path))
     if "argv" not in r or r["levers"]["loss"] == "plain":  # not a step_bench result; the planner models the fused loss
         continue
     levers = Levers(**{"loss_kernel": "ours", **r["levers"]})  # runs from before --loss_kernel had ours
-    config = load_model_config(None, "qwen3-4b", r["layers"])
+    config = config_of(r)
     est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
-    errors.append(est / r["peak_gpu_gib"] - 1)
+    error = est / r["peak_gpu_gib"] - 1
+    fitted = config.model_type in FITTED
+    (errors if fitted else unfitted).append(error)
     print(f"| {os.path.basename(path)[:-5]} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | {r['peak_gpu_gib']:.1f} | "
-          f"{est:.1f} | {100 * errors[-1]:+.1f}% |")
-print(f"\n{len(errors)} runs, largest error {100 * max(map(abs, errors)):.1f}%")
+          f"{est:.1f} | {100 * error:+.1f}%{'' if fitted else ' (not fitted)'} |")
+print(f"\n{len(errors)} runs of the fitted families, largest error {100 * max(map(abs, errors)):.1f}%; "
+      f"{len(unfitted)} runs of other families")
