@@ -234,8 +234,8 @@ def geometry(config) -> dict:
     experts = max((getattr(config, name, 0) or 0 for name in ("num_experts", "num_local_experts")), default=0)
     per_token = (getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", 1)) if moe else 1
     model = config.model_type
-    return dict(hidden=config.hidden_size, inter=max(s.inter for s in shapes), vocab=config.vocab_size, layers=n,
-                **_attention_summary(shapes),
+    return dict(model_type=model, hidden=config.hidden_size, inter=max(s.inter for s in shapes),
+                vocab=config.vocab_size, layers=n, **_attention_summary(shapes),
                 qk_norm=model.startswith("qwen3") or model in HEAD_QK_NORM or model in WIDE_QK_NORM,
                 norms=hidden_norms(config), layer_params=max(s.params for s in shapes),
                 params=sum(s.params for s in shapes) + _model_params(config),

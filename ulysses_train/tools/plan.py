@@ -24,6 +24,7 @@ import sys
 from typing import Optional
 
 from ..errors import ConfigError
+from ..sp.support import FAMILIES
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_bytes, kept_attention_bytes, \
     resolve_levers
 from ..model.geometry import geometry
@@ -257,7 +258,10 @@ def sp_plans(g: dict, gpus: int, sp: Optional[int] = None, ring: Optional[int] =
     """(sp, ring) for each SP size the planner may try (only `sp` if given), smallest first: the ring `ring`, or by
     default the one --ring_size auto chooses (none where the heads allow a pure Ulysses split)."""
     plans = []
+    family = FAMILIES.get(g.get("model_type"))
     for size in [sp] if sp else range(1, gpus + 1):
+        if size > 1 and family is not None and not family.sequence_parallel:
+            continue  # layers the support check refuses under SP (sp/support.py)
         size_ring = ring or resolve_ring_size("auto", size, g["heads"], g["kv"])
         try:
             validate(gpus, size, g["heads"], g["kv"], ring_size=size_ring)
