@@ -61,3 +61,20 @@ def run_distributed(fn, world: int, *args, use_deepspeed: bool = False, backend:
             with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def summed_over(group, loss, model) -> tuple[float, dict]:
+    """Back-propagates this rank's share of `loss`, then sums the loss and every parameter's gradient over `group`
+    (a parameter no token reached, such as an expert no token chose, counts as zeros): the whole sequence's."""
+    import torch
+    import torch.distributed as dist
+
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad, group=group)
+        grads[name] = grad
+    return total.item(), grads

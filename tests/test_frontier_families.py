@@ -16,7 +16,7 @@ reference's. One launch per SP size runs every family, packed and not."""
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, summed_over
 from tests.models import FRONTIER, frontier_config, perturb_sinks
 
 SEQ = 48
@@ -77,16 +77,8 @@ def _sharded(rank, world, cases):
         shard = shard_sequence(ids, world, rank, position_ids=_positions(packed))
         attention.doc_lengths = [DOCS] if packed else None
         loss = CausalLMWithSPLoss(model, group)(shard["input_ids"], shard["position_ids"], shard["labels"],
-                                         global_token_count(shard["labels"], group))
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        grads = {}
-        for pname, param in model.named_parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)  # an expert no token chose
-            dist.all_reduce(grad, group=group)
-            grads[pname] = grad
-        results[(name, packed)] = (total.item(), grads)
+                                                global_token_count(shard["labels"], group))
+        results[(name, packed)] = summed_over(group, loss, model)
     return results
 
 

@@ -8,7 +8,7 @@ in test_model_equivalence.py."""
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, summed_over
 from tests.models import tiny_config
 
 SEQ = 48
@@ -43,15 +43,7 @@ def _sharded(rank, world, family, seed):
     shard = shard_sequence(ids, world, rank)
     loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
                                      global_token_count(shard["labels"], group))
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=group)
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)  # an expert no token chose
-        dist.all_reduce(grad, group=group)
-        grads[name] = grad
-    return total.item(), grads
+    return summed_over(group, loss, model)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mistral", "qwen2"])
