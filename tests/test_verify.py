@@ -121,3 +121,19 @@ def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():
     truth.backward()
     errors = relative_errors(loss, grads, truth.item(), {n: p.grad for n, p in model.named_parameters()})
     assert errors.loss < 1e-6 and errors.grad_max < 1e-5, errors
+
+
+def test_a_verify_step_without_a_target_is_a_setting_to_change():
+    """It crashed with `max() arg is an empty sequence` (no gradient to compare): now a ConfigError (exit 2)."""
+    import pytest
+    import torch
+
+    from ulysses_train.data.sources import build_batch
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.verify import require_targets
+
+    untrained = build_batch([(torch.arange(8), 8, None, torch.full((8,), -100))], packing=False)
+    with pytest.raises(ConfigError, match=r"--verify: the first step's 2 sequence\(s\) have no target .* --loss_on "
+                                          r"and --chat_template"):
+        require_targets(None, [untrained, untrained])
+    require_targets(None, [untrained, build_batch([(torch.arange(8), 8)], packing=False)])

@@ -146,6 +146,7 @@ def main(argv=None) -> int:
         check_args(a)
         tokenizer = load_tokenizer(a.tokenizer, a.model)
         samples = load_samples(a, tokenizer)
+        require_targets(a, samples)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -173,6 +174,19 @@ def load_samples(a: argparse.Namespace, tokenizer):
                                 cache_dir=a.data_cache_dir, chat_template=a.chat_template, loss_on=a.loss_on,
                                 truncation=a.truncation)
     return ChatSource(samples)
+
+
+def require_targets(a: argparse.Namespace, samples) -> None:
+    """The first --num_samples samples must hold a target, or every mean would be NaN (a ConfigError naming the
+    flags, before any process group or model)."""
+    from ..data.sources import build_batch, trainable_tokens
+
+    n = min(a.num_samples, samples.num_samples)
+    if any(trainable_tokens(build_batch([samples.get(i)], packing=False)) for i in range(n)):
+        return
+    raise ConfigError(f"the first {n} sample(s) of --dataset {a.dataset} have no target (nothing the model is "
+                      f"trained to write under --loss_on {a.loss_on}): raise --num_samples, or check --loss_on and "
+                      f"--chat_template")
 
 
 def evaluate(a: argparse.Namespace, samples) -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.sources import trainable_tokens
+from ..errors import ConfigError
 from ..sp.sharding import IGNORE_INDEX, shift_labels
 from .faults import NonFiniteError
 from .loop import accumulate
@@ -245,6 +246,8 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     buffers and gradients on rank 0, and the whole batches of every DP rank (rank 0 runs the reference on all of
     them)."""
     g, rank = trainer.groups, trainer.rank
+    batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
+    require_targets(trainer, batches)
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
     loss, _, skipped = accumulate(trainer, step + 1, finish=False)
@@ -252,8 +255,18 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
         raise NonFiniteError("--verify: the loss of the first step is not finite")
     loss = loss.item()
     grads = _gather_grads(trainer.engine, rank)
-    batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
     return loss, weights, buffers, grads, batches
+
+
+def require_targets(trainer, batches: list[dict]) -> None:
+    """The checked step must train something, or there is no gradient to compare (every rank holds every batch,
+    so every rank raises)."""
+    if any(trainable_tokens(b) for b in batches):
+        return
+    raise ConfigError(f"--verify: the first step's {sum(len(b['input_ids']) for b in batches)} sequence(s) have no "
+                      f"target (nothing the model is trained to write): nothing to compare; check --dataset, "
+                      f"--loss_on and --chat_template, or raise --micro_batch_size / --grad_accum to take in more "
+                      f"samples")
 
 
 # ---------------------------------------------------------------- report
