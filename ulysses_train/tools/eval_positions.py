@@ -172,8 +172,17 @@ def load_samples(a: argparse.Namespace, tokenizer):
         return CorpusSource(samples, packing=False)
     samples, _, _ = sft_samples(corpus, fmt, tokenizer, a.seq_len, dataset=a.dataset, split=a.dataset_split,
                                 cache_dir=a.data_cache_dir, chat_template=a.chat_template, loss_on=a.loss_on,
-                                truncation=a.truncation)
+                                truncation=a.truncation, vocab_size=_vocab_size(a.model))
     return ChatSource(samples)
+
+
+def _vocab_size(model: str):
+    """The model's vocabulary, from its config alone (pre-tokenized ids are checked against it); None if the config
+    does not say."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    return getattr(config.get_text_config(), "vocab_size", None)
 
 
 def require_targets(a: argparse.Namespace, samples) -> None:
