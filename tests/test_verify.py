@@ -125,7 +125,6 @@ def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():
 
 def test_a_verify_step_without_a_target_is_a_setting_to_change():
     """It crashed with `max() arg is an empty sequence` (no gradient to compare): now a ConfigError (exit 2)."""
-    import pytest
     import torch
 
     from ulysses_train.data.sources import build_batch
