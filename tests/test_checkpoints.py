@@ -121,12 +121,14 @@ def test_nan_loss_stops_naming_the_step_or_is_skipped(tmp_path):
 
 
 def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
-    """As under SLURM: every task gets SIGTERM; the run saves, exits 0, and `--resume auto` continues."""
+    """As under SLURM: every task gets SIGTERM; the run saves, exits 0, and `--resume auto` continues. The run
+    waits at step 3 until the signal (ULYSSES_TRAIN_FAULT=hold_at:3), so where it stops does not depend on speed."""
     port, out = str(_port()), tmp_path / "run"
     args = [sys.executable, TRAIN, "--seq_len", "128", "--steps", "200", "--lr", "3e-3", "--output_dir", str(out)]
     procs = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env() | dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                                ULYSSES_TRAIN_FAULT="hold_at:3")) for r in range(2)]
     metrics_file = out / "metrics.jsonl"
     while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
         assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
@@ -136,7 +138,7 @@ def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
     results = [p.communicate(timeout=HANG_GUARD_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [r[1][-2000:] for r in results]
     stopped_at = int(latest(out).removeprefix("step_"))
-    assert "SIGTERM received" in results[0][0] + results[0][1] and stopped_at >= 2
+    assert "SIGTERM received" in results[0][0] + results[0][1] and stopped_at == 3
     total = stopped_at + 2
     base = ["--seq_len", "128", "--steps", str(total), "--lr", "3e-3"]
     subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(out), "--resume", "auto",

@@ -89,6 +89,38 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": "not a list"}])
     cfg, _ = parse_args(_args(files) + ["--data_cache_dir", str(tmp_path / "cache")])
     message = _Loader(cfg, bad, "train", 128, 512, print, "eval_dataset").load()
-    assert message.startswith("row 0 of --eval_dataset: `messages` must be"), message
+    assert message.startswith(f"row 0 of --eval_dataset {bad}: `messages` must be"), message
+    no_target = write_jsonl(tmp_path / "noassist.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
+    message = _Loader(cfg, no_target, "train", 128, 512, print, "eval_dataset").load()
+    assert message.startswith(f"--eval_dataset {no_target}: no target: none of its 3 conversations"), message
     message = _Loader(cfg, files["eval"], "validation", 128, 512, print, "eval_dataset").load()
     assert message.startswith("--eval_split validation: ") and "no such split" in message, message
+
+
+def test_an_evaluation_without_a_target_reports_no_loss_not_zero(tmp_path):
+    """The first --eval_samples may train nothing although the set does: the loss is None (null in metrics.jsonl,
+    "none" in the log), never 0.0. One process, a gloo group of one, a stand-in engine."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from ulysses_train.train.evaluate import evaluate
+
+    class Source:
+        num_samples = 2
+
+        def get(self, i):
+            return torch.arange(8), 8, None, torch.full((8,), -100)
+
+    run = SimpleNamespace(groups=SimpleNamespace(dp_size=1, dp_rank=0, sp_size=1, sp_rank=0, ring_size=1), micro=1,
+                          cfg=SimpleNamespace(packing=False), device=torch.device("cpu"), tokenizer=None,
+                          attention=SimpleNamespace(),
+                          engine=type("Engine", (), {"eval": lambda self: None, "train": lambda self: None,
+                                                     "__call__": lambda self, *a: torch.zeros(())})())
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        result = evaluate(run, Source(), None)
+    finally:
+        dist.destroy_process_group()
+    assert result["eval_loss"] is None and result["eval_tokens"] == 0

@@ -129,3 +129,29 @@ def test_conversations_count_only_trained_tokens(setup):
     assert ours == pytest.approx(expected.tolist(), rel=1e-4, nan_ok=True)
     summary = json.loads((setup / "chat_out" / "summary.json").read_text())
     assert summary["tail_mean_loss"] == pytest.approx(float(expected.nanmean()), rel=1e-4)
+
+
+def test_data_without_a_target_is_one_message_and_exit_2(setup, capsys, tmp_path):
+    """It printed NaN means and exited 0: conversations with no assistant turn, or first --num_samples samples
+    that train nothing, are refused before any process group or model; so are pre-tokenized ids past the model's
+    vocabulary."""
+    from tests.sft_fixtures import write_jsonl
+    from ulysses_train.tools.eval_positions import main
+
+    user = [{"role": "user", "content": "hello"}]
+    answered = user + [{"role": "assistant", "content": "hi"}]
+    base = ["--model", str(setup / "model"), "--tokenizer", "bytes", "--seq_len", "128", "--chat_template",
+            f"{ROOT}/examples/chatml.jinja", "--data_cache_dir", str(tmp_path / "cache")]
+    none = write_jsonl(tmp_path / "none.jsonl", [{"messages": user}] * 3)
+    assert main(base + ["--dataset", none]) == 2
+    assert f"error: --dataset {none}: no target: none of its 3 conversations" in capsys.readouterr().err
+    late = write_jsonl(tmp_path / "late.jsonl", [{"messages": user}, {"messages": answered}])
+    assert main(base + ["--dataset", late, "--num_samples", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: the first 1 sample(s) of --dataset {late} have no target (nothing the model is trained "
+                   f"to write under --loss_on auto): raise --num_samples, or check --loss_on and --chat_template"), err
+    tokens = write_jsonl(tmp_path / "tokens.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 512, 7]}])
+    no_template = [x for x in base if x not in ("--chat_template", f"{ROOT}/examples/chatml.jinja")]
+    assert main(no_template + ["--dataset", tokens]) == 2  # the tiny model has 512 ids
+    assert f"row 1 of --dataset {tokens}: `input_ids`[1] is 512, outside the model's vocabulary (0 to 511)" in \
+        capsys.readouterr().err

@@ -41,12 +41,14 @@ def three_head_config(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag",
                                   "dataset_too_short", "missing_column", "corrupt_dataset", "missing_model",
-                                  "output_dir_is_a_file"])
+                                  "output_dir_is_a_file", "no_target"])
 def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("short text")
     (tmp_path / "rows.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "cut.jsonl").write_text('{"text": "fine"}\n{"text": "cut he')
+    (tmp_path / "noassist.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]})
+                                                     + "\n" for i in range(8)))
     data = ["--tokenizer", "bytes", "--data_cache_dir", str(tmp_path / "cache")]
     conflicting = tmp_path / "ds.json"
     conflicting.write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3}}))
@@ -66,6 +68,11 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
         "missing_model": (["--model", str(tmp_path / "no_model")], f"--model {tmp_path / 'no_model'}: no such file"),
         "output_dir_is_a_file": (["--output_dir", str(tmp_path / "rows.jsonl")],
                                  f"--output_dir {tmp_path / 'rows.jsonl'} is a file, not a folder"),
+        # conversations without an assistant turn trained nothing, for a loss of 0.0000 and exit 0
+        "no_target": (["--dataset", str(tmp_path / "noassist.jsonl"), "--chat_template",
+                       f"{ROOT}/examples/chatml.jinja"] + data,
+                      f"--dataset {tmp_path / 'noassist.jsonl'}: no target: none of its 8 conversations has a "
+                      f"token the model is trained to write with --loss_on assistant"),
     }[case]
     results = run_ranks(2, ["--output_dir", str(tmp_path / "out")] + args)  # the last --output_dir wins
     assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]

@@ -226,3 +226,71 @@ def test_prompt_completion_strings_need_no_template(tmp_path):
     assert np.asarray(store.trained[:6]).tolist() == [0, 0, 0, 0, 1, 1]
     with pytest.raises(ConfigError, match="the tokenizer .* has no chat template"):  # message lists do need one
         _samples(write_jsonl(tmp_path / "m.jsonl", [{"messages": MULTI_TURN}]), tmp_path, ByteTokenizer())
+
+
+# ---------------------------------------------------------------- data that trains nothing, ids that do not fit
+
+NO_ASSISTANT = [{"messages": [{"role": "user", "content": f"hello {i}"}]} for i in range(6)]
+
+
+def test_data_that_trains_nothing_is_refused_naming_the_flags(tok, tmp_path):
+    """Conversations without an assistant turn, pre-tokenized labels all -100, a template that does not render the
+    messages: each used to train 0 tokens for a loss of 0.0000 and a checkpoint, exit 0."""
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_QWEN)
+    with pytest.raises(ConfigError, match=rf"--dataset .*noassist.jsonl: no target: none of its 6 conversations has "
+                                          rf"a token the model is trained to write with --loss_on assistant \(do the "
+                                          rf"conversations have assistant turns, and does --chat_template {template} "
+                                          rf"render them\?\); fix the data or the template, or train every token "
+                                          rf"with --loss_on all"):
+        _samples(write_jsonl(tmp_path / "noassist.jsonl", NO_ASSISTANT), tmp_path, tok, chat_template=str(template))
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100] * 3}] * 4
+    with pytest.raises(ConfigError, match=r"none of its 4 conversations has a token the model is trained to write with "
+                                          r"--loss_on labels \(every "
+                                          r"`labels` entry is -100\); fix the data, or train every token with "
+                                          r"--loss_on all"):
+        _samples(write_jsonl(tmp_path / "tokens.jsonl", rows), tmp_path, tok)
+    template.write_text("{{ bos_token }}{% for m in messages %}{% endfor %}")  # renders no message
+    with pytest.raises(ConfigError, match="no target: none of its 2 conversations"):
+        _samples(write_jsonl(tmp_path / "chats.jsonl", [{"messages": MULTI_TURN}] * 2), tmp_path,
+                 tiny_tokenizer(bos="<s>"), chat_template=str(template))
+
+
+def test_a_target_only_at_a_conversations_first_token_is_no_target(tmp_path):
+    """The first token of a sample (and of each packed conversation) is never a label: a trained mask there
+    alone trains nothing."""
+    rows = [{"input_ids": [5, 6, 7], "assistant_masks": [1, 0, 0]}] * 3
+    with pytest.raises(ConfigError, match="no target"):
+        _samples(write_jsonl(tmp_path / "first.jsonl", rows), tmp_path, ByteTokenizer(), packing=True)
+
+
+def test_a_large_share_of_samples_without_a_target_is_a_warning(tok, tmp_path):
+    from ulysses_train.data.sft import untrained_warning
+
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_QWEN)
+    path = write_jsonl(tmp_path / "some.jsonl", NO_ASSISTANT[:3] + [{"messages": MULTI_TURN}])
+    samples, _, _ = _samples(path, tmp_path, tok, chat_template=str(template))
+    assert untrained_warning(samples, path) == (
+        f"--dataset {path}: 3 of 4 samples (75%) have no target (conversations without an assistant turn, or whose "
+        f"trained tokens were cut by --truncation): they add nothing to training; check --loss_on and "
+        f"--chat_template, or filter them out")
+    packed, _, _ = _samples(path, tmp_path, tok, chat_template=str(template), packing=True, seq_len=1024)
+    assert len(packed) == 1 and untrained_warning(packed, path) is None  # one packed sample, and it trains
+
+
+@pytest.mark.parametrize("bad, message", [
+    (2**32 + 7, r"`input_ids`\[1\] is 4294967303, outside the model's vocabulary \(0 to 99\)"),
+    (-1, r"`input_ids`\[1\] is -1, outside the model's vocabulary"),
+    (100, r"`input_ids`\[1\] is 100, outside the model's vocabulary \(0 to 99\): tokenize the data with the "
+          r"model's tokenizer, or give the --model"),
+    (7.5, r"`input_ids`\[1\] is 7.5, not an integer token id"),
+])
+def test_pre_tokenized_ids_are_checked_at_load_naming_the_row_and_file(tmp_path, bad, message):
+    """Ids were cast to uint32 unchecked: 2**32 + 7 trained as 7, 7.5 as 7, and -1 or an id past the vocabulary
+    crashed step 1 with an IndexError, only once its row was drawn."""
+    path = write_jsonl(tmp_path / "tokens.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [5, bad, 7]}])
+    with pytest.raises(ConfigError, match=rf"row 1 of --dataset {path}: {message}"):
+        _samples(path, tmp_path, ByteTokenizer(), vocab_size=100)
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"input_ids": [5.0, 6, 99]}] * 2)  # integral floats are ids
+    assert np.asarray(_samples(ok, tmp_path, ByteTokenizer(), vocab_size=100)[1].tokens[:3]).tolist() == [5, 6, 99]

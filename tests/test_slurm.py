@@ -119,9 +119,9 @@ PartitionName=ci Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscrib
     _stop_daemons(d)
 
 
-def sbatch(env, options, script, train_args, out_dir):
+def sbatch(env, options, script, train_args, out_dir, extra_env=None):
     base = dict(env, NPROC_PER_NODE="2", OUTPUT_DIR=str(out_dir / "out"), LOG_DIR=str(out_dir / "logs"),
-                REPO_DIR=ROOT, PYTHONPATH=ROOT)
+                REPO_DIR=ROOT, PYTHONPATH=ROOT, **(extra_env or {}))
     cmd = ["sbatch", "--parsable", "--chdir", str(out_dir), "--export=ALL"] + options + [
         os.path.join(ROOT, "launch", "slurm", script)] + train_args
     return subprocess.run(cmd, env=base, check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
@@ -162,9 +162,11 @@ def test_batch_script_trains(slurm, script, options, tmp_path):
 
 def test_requeue_resumes_after_preemption_signal(slurm, tmp_path):
     """USR1 to the batch shell, as `--signal=B:USR1@300` sends before the time limit: the script requeues the job,
-    the trainer saves on SIGTERM, and the requeued job (same id, same output dir) resumes and finishes."""
+    the trainer saves on SIGTERM, and the requeued job (same id, same output dir) resumes and finishes. The first
+    job waits at step 4 until its SIGTERM (ULYSSES_TRAIN_FAULT=hold_at:4), so that it cannot finish its 40 steps
+    before the signal (the requeued one starts at step 5, past the hold)."""
     job = sbatch(slurm, ["--nodes", "1", "--cpus-per-task", "2"], "train_torchrun.sbatch",
-                 ["--steps", "40", "--seq_len", "128"], tmp_path)
+                 ["--steps", "40", "--seq_len", "128"], tmp_path, {"ULYSSES_TRAIN_FAULT": "hold_at:4"})
     metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.time() + HANG_GUARD_S
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -179,5 +181,5 @@ def test_requeue_resumes_after_preemption_signal(slurm, tmp_path):
     state = wait_for(slurm, job)
     log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log[-3000:]
-    assert "SIGTERM received: saved step" in log and "resumed from" in log
+    assert "SIGTERM received: saved step 4" in log and "resumed from" in log
     assert steps(tmp_path) == list(range(1, 41))

@@ -85,3 +85,54 @@ def test_verify_command_line(tmp_path):
     with open(tmp_path / "verify.json") as f:
         assert json.load(f)["passed"] is True
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
+
+
+def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():
+    """Why `--verify` failed SmolLM2-135M-Instruct fine-tuned on chats in fp32 (1.1e-4 over the 1e-4 limit, ours
+    and --loss plain alike off by the same): the reference's own fp32 loss (F.cross_entropy, on the CPU off by 2e-5
+    per token at 49,152 ids) was the inexact side, and a likely target's gradient, softmax - 1, magnifies it.
+    SmolLM2 itself needs a download, so a 2-layer Llama of its vocabulary stands in, its LM head set so that
+    every target has probability ~0.99 (solved from the hidden states); the fp64 model with an fp64 loss is the
+    truth. With transformers' fp32 loss the reference was 4e-3 off; with its logits' loss in fp64, 2e-6."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ulysses_train.sp.sharding import shift_labels
+    from ulysses_train.train.verify import reference_step, relative_errors
+
+    config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).double()
+    ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :16] = -100  # a prompt: 48 targets
+    targets = shift_labels(labels)[0]
+    trained = targets != -100
+    with torch.no_grad():  # logit 16 for each position's target, 0 for the other targets: p(target) ~ 0.99
+        hidden = model.model(input_ids=ids)[0][0][trained]
+        model.lm_head.weight[targets[trained]] = (torch.linalg.pinv(hidden) * 16).t()
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(64)[None]}
+    weights = {n: p.detach().float() for n, p in model.named_parameters()}
+    loss, grads, _ = reference_step(config, weights, [batch], torch.float32, torch.device("cpu"))
+    model.float().double()  # the truth starts from the same fp32 weights
+    truth = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0], targets, reduction="sum") / 48
+    truth.backward()
+    errors = relative_errors(loss, grads, truth.item(), {n: p.grad for n, p in model.named_parameters()})
+    assert errors.loss < 1e-6 and errors.grad_max < 1e-5, errors
+
+
+def test_a_verify_step_without_a_target_is_a_setting_to_change():
+    """It crashed with `max() arg is an empty sequence` (no gradient to compare): now a ConfigError (exit 2)."""
+    import torch
+
+    from ulysses_train.data.sources import build_batch
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.verify import require_targets
+
+    untrained = build_batch([(torch.arange(8), 8, None, torch.full((8,), -100))], packing=False)
+    with pytest.raises(ConfigError, match=r"--verify: the first step's 2 sequence\(s\) have no target .* --loss_on "
+                                          r"and --chat_template"):
+        require_targets(None, [untrained, untrained])
+    require_targets(None, [untrained, build_batch([(torch.arange(8), 8)], packing=False)])

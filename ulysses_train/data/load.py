@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from .chat import template_source
 from .corpus import corpus_samples, dataset_columns, load_corpus, load_tokenizer, unreadable_dataset_is_a_config_error
-from .sft import detect_format, resolve_loss_on, sft_samples
+from .sft import detect_format, resolve_loss_on, sft_samples, untrained_warning
 from .sources import ChatSource, CorpusSource
 
 
@@ -84,8 +84,11 @@ class _Loader:
             corpus, fmt, tokenizer, self.seq_len, dataset=self.dataset, split=self.split,
             cache_dir=cfg.data_cache_dir, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
             truncation=cfg.truncation, packing=cfg.packing, num_proc=cfg.num_proc, max_tokens=cfg.max_tokens,
-            length_flag="--verify_seq_len" if cfg.verify else "--seq_len")
+            length_flag="--verify_seq_len" if cfg.verify else "--seq_len", vocab_size=self.vocab_size)
         template = f", {template_source(cfg.chat_template)}" if settings["chat_template"] else ""
         self.log(f"data: {fmt}, loss on {settings['loss_on']}{template}: {samples.describe()} (cache "
                  f"{'hit' if store.cache_hit else 'written'}, packing {cfg.packing})")
+        warning = untrained_warning(samples, self.dataset)
+        if warning:
+            self.log(f"warning: {self._named(warning)}")
         return ChatSource(samples)

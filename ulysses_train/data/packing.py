@@ -106,6 +106,20 @@ class ConversationSamples:
         empty = int((trained == 0).sum())
         return text + (f", {empty:,} with no trained token" if empty else "")
 
+    def target_counts(self) -> np.ndarray:
+        """Targets of each conversation in the samples: its trained tokens but the first one kept, which is never a
+        target (the label of position t is token t + 1, and no token of the sample before it is its context)."""
+        counts = self.trained_counts()
+        if len(counts):
+            first = self.store.doc_starts + (self.lengths - self.kept if self.truncation == "left" else 0)
+            counts -= np.asarray(self.store.trained)[first].astype(np.int64)
+        return counts
+
+    def sample_targets(self) -> np.ndarray:
+        """Targets of each sample (the sum over its conversations)."""
+        counts = self.target_counts()
+        return np.add.reduceat(counts[self.order], self.starts[:-1]) if len(self) else np.zeros(0, np.int64)
+
     def trained_counts(self) -> np.ndarray:
         """Trained tokens of each conversation as it goes into the samples (after truncation)."""
         if len(self.lengths) == 0:

@@ -34,7 +34,7 @@ from .token_store import build_token_store, cache_settings, store_key
 DATA_FORMATS = ("auto", "messages", "prompt_completion", "tokens", "text")
 LOSS_ON = ("auto", "assistant", "completion", "all")
 TRUNCATION = ("error", "left", "right")
-SFT_FORMAT = 1  # bump when rendering or masking rules change what is stored
+SFT_FORMAT = 2  # bump when rendering, masking or checking rules change what is stored
 _NEEDS = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "tokens": ["input_ids"]}
 _LOSS_ON = {"messages": ("assistant", "all"), "prompt_completion": ("completion", "assistant", "all"),
             "text": ("all",)}
@@ -82,10 +82,14 @@ def resolve_loss_on(fmt: str, requested: str, columns: list[str]) -> str:
 
 class RowEncoder:
     """The `datasets.map` function: a batch of rows -> `input_ids` and `trained` (1 = a target). Picklable, for
-    --num_proc. A row that cannot be encoded is a ConfigError naming its index and --dataset."""
+    --num_proc. A row that cannot be encoded is a ConfigError naming its index and --dataset (its path, if given).
+    Pre-tokenized ids must be integers in [0, vocab_size) (the store holds uint32: anything else would wrap, be
+    truncated, or fail the embedding only when its row is drawn)."""
 
-    def __init__(self, fmt: str, tokenizer, template: Optional[str], loss_on: str):
+    def __init__(self, fmt: str, tokenizer, template: Optional[str], loss_on: str, vocab_size: Optional[int] = None,
+                 dataset: Optional[str] = None):
         self.fmt, self.tokenizer, self.template, self.loss_on = fmt, tokenizer, template, loss_on
+        self.vocab_size, self.dataset = vocab_size, dataset
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         from jinja2 import TemplateError
@@ -96,13 +100,16 @@ class RowEncoder:
             try:
                 ids, trained = getattr(self, f"_{self.fmt}")(row)
             except ConfigError as e:
-                raise ConfigError(f"row {index} of --dataset: {e}") from None
+                raise ConfigError(f"{self._where(index)}: {e}") from None
             except TemplateError as e:  # the template's own checks (raise_exception) and undefined values
-                raise ConfigError(f"row {index} of --dataset: the chat template (--chat_template) fails on it: "
+                raise ConfigError(f"{self._where(index)}: the chat template (--chat_template) fails on it: "
                                   f"{type(e).__name__}: {e}") from None
             out["input_ids"].append(np.asarray(ids, dtype=np.int64))
             out["trained"].append(np.asarray(trained, dtype=np.int8))  # 1 byte per token in datasets' cache
         return out
+
+    def _where(self, index: int) -> str:
+        return f"row {index} of --dataset" + (f" {self.dataset}" if self.dataset else "")
 
     def _messages(self, row: dict) -> tuple[list, list]:
         messages = _messages(row["messages"], "messages")
@@ -132,7 +139,7 @@ class RowEncoder:
     def _tokens(self, row: dict) -> tuple[list, list]:
         if row["input_ids"] is None or (self.loss_on != "all" and row[self.loss_on] is None):
             raise ConfigError(f"`input_ids` or `{self.loss_on}` is empty (null)")
-        ids = [int(t) for t in row["input_ids"]]
+        ids = token_ids(row["input_ids"], self.vocab_size)
         if self.loss_on == "all":
             return ids, [1] * len(ids)
         given = list(row[self.loss_on])
@@ -147,6 +154,35 @@ class RowEncoder:
             raise ConfigError(f"`labels` must be the input_ids, unshifted, with -100 where not trained; at position "
                               f"{wrong} the label is {given[wrong]} and the token {ids[wrong]}")
         return ids, [int(label != -100) for label in given]
+
+
+def token_ids(values, vocab_size: Optional[int]) -> list[int]:
+    """Pre-tokenized `input_ids` as ints, each checked: an integer (7.0 is 7, 7.5 is refused) in [0, vocab_size)
+    (without a vocabulary: what uint32 holds)."""
+    values = list(values)
+    arr = np.asarray(values) if values else np.zeros(0, np.int64)
+    if arr.dtype.kind not in "iuf" or arr.ndim != 1:  # strings, nulls, lists; or ints past int64 (object)
+        arr = np.asarray([_integer(k, t) for k, t in enumerate(values)], dtype=object)
+    elif arr.dtype.kind == "f":
+        fractional = ~np.isfinite(arr) | (arr != np.floor(arr))
+        if fractional.any():
+            bad = int(np.argmax(fractional))
+            raise ConfigError(f"`input_ids`[{bad}] is {values[bad]!r}, not an integer token id")
+    limit = vocab_size or 2**32
+    outside = (arr < 0) | (arr >= limit)
+    if outside.any():
+        bad = int(np.argmax(outside))
+        what = "the model's vocabulary" if vocab_size else "the range of a token id"
+        raise ConfigError(f"`input_ids`[{bad}] is {int(arr[bad])}, outside {what} (0 to {limit - 1}): tokenize the "
+                          f"data with the model's tokenizer, or give the --model whose vocabulary it was made for")
+    return [int(t) for t in arr.tolist()]
+
+
+def _integer(k: int, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or (
+            isinstance(value, (float, np.floating)) and not float(value).is_integer()):
+        raise ConfigError(f"`input_ids`[{k}] is {value!r}, not an integer token id")
+    return int(value)
 
 
 def _messages(value, column: str) -> list:
@@ -171,9 +207,11 @@ def uses_template(fmt: str, corpus) -> bool:
 def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, split: str, cache_dir: str,
                 chat_template: Optional[str] = None, loss_on: str = "auto", truncation: str = "error",
                 packing: bool = False, num_proc: Optional[int] = None, max_tokens: Optional[int] = None,
-                length_flag: str = "--seq_len") -> tuple[ConversationSamples, object, dict]:
+                length_flag: str = "--seq_len", vocab_size: Optional[int] = None
+                ) -> tuple[ConversationSamples, object, dict]:
     """Rows of a loaded dataset -> the cached store of conversations -> samples of `seq_len` tokens. Returns the
-    samples, the store and the settings that keyed it."""
+    samples, the store and the settings that keyed it. Data with no target at all is a ConfigError (require_targets);
+    `vocab_size`: the model's, which pre-tokenized ids must fall in."""
     with unreadable_dataset_is_a_config_error(dataset):
         columns = dataset_columns(corpus)
         loss = resolve_loss_on(fmt, loss_on, columns)
@@ -184,7 +222,7 @@ def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, spli
         kwargs = {"batched": True, "with_indices": True, "remove_columns": columns}
         if not getattr(corpus, "_ex_iterable", None):  # map-style: multiprocess, progress bar, disk cache
             kwargs.update(num_proc=num_proc, desc="rendering conversations" if template else "tokenizing")
-        tokenized = corpus.map(RowEncoder(fmt, tokenizer, template, loss), **kwargs)
+        tokenized = corpus.map(RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset), **kwargs)
         fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
         extra = {"sft_format": SFT_FORMAT, "data_format": fmt, "chat_template": template, "loss_on": loss}
         settings = cache_settings(fingerprint, tokenizer, dataset, split, fmt, max_tokens, extra)
@@ -193,4 +231,45 @@ def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, spli
     if len(store.doc_starts) == 0:
         raise ConfigError(f"--dataset {dataset}: no conversation with any token (empty dataset?)")
     samples = ConversationSamples(store, seq_len, truncation, packing, tokenizer.pad_token_id or 0, length_flag)
+    require_targets(samples, fmt, loss, dataset, chat_template if template else None, template is not None)
     return samples, store, settings
+
+
+# ---------------------------------------------------------------- is anything trained?
+
+UNTRAINED_WARN_SHARE = 0.25  # more samples than this without a target: most likely the template or --loss_on
+
+
+def _why_no_target(fmt: str, loss: str, chat_template: Optional[str], uses_template: bool) -> str:
+    if fmt == "tokens":
+        return {"labels": "every `labels` entry is -100", "assistant_masks": "every `assistant_masks` entry is 0"}.get(
+            loss, "every sequence has a single token")
+    if uses_template:
+        which = (f"--chat_template {chat_template}" if chat_template else
+                 "the tokenizer's chat template (else give one with --chat_template)")
+        return f"do the conversations have assistant turns, and does {which} render them?"
+    return "are the completions empty?"
+
+
+def require_targets(samples: ConversationSamples, fmt: str, loss: str, dataset: str, chat_template: Optional[str],
+                    uses_template: bool) -> None:
+    """A run whose data has no target would train nothing and report a loss of 0 as if it had: a ConfigError that
+    says why it may be and what to change."""
+    if samples.target_counts().sum() > 0:
+        return
+    fix = "fix the data or the template" if uses_template else "fix the data"
+    raise ConfigError(f"--dataset {dataset}: no target: none of its {len(samples.lengths):,} conversations has a "
+                      f"token the model is trained to write with --loss_on {loss} "
+                      f"({_why_no_target(fmt, loss, chat_template, uses_template)}); {fix}, or train every token with "
+                      f"--loss_on all")
+
+
+def untrained_warning(samples: ConversationSamples, dataset: str) -> Optional[str]:
+    """A warning when a large share of the samples trains nothing (their steps add nothing to the gradient)."""
+    per_sample = samples.sample_targets()
+    empty = int((per_sample == 0).sum())
+    if not len(per_sample) or empty / len(per_sample) <= UNTRAINED_WARN_SHARE:
+        return None
+    return (f"--dataset {dataset}: {empty:,} of {len(per_sample):,} samples ({empty / len(per_sample):.0%}) have no "
+            f"target (conversations without an assistant turn, or whose trained tokens were cut by --truncation): "
+            f"they add nothing to training; check --loss_on and --chat_template, or filter them out")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .weak_group import WeakGroup
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -35,12 +37,13 @@ def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torc
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        # weakly: a graph the caller keeps (its loss, its hidden states) must not keep the group alive (groups.py)
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = WeakGroup(group), scatter_dim, gather_dim
         return _exchange(x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+        return _exchange(grad, ctx.group.get(), ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
 def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:

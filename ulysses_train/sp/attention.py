@@ -36,6 +36,7 @@ from .all_to_all import all_to_all, group_size
 from .kernels import KERNELS
 from .patterns import Pattern, chunk_documents
 from .ring import RingAttention
+from .weak_group import WeakGroup
 
 ATTN_NAME = "ulysses"
 
@@ -47,13 +48,17 @@ class UlyssesAttention:
     ring its Ulysses group (None or size 1: no all-to-all). `ring_group`: the ring across Ulysses groups."""
 
     def __init__(self, sp_group, kernel: str = "sdpa", ring_group=None):
-        self.sp_group = sp_group
+        self._sp_group = WeakGroup(sp_group)  # registered globally with transformers: must not keep the group alive
         self.sp = group_size(sp_group)
         self.kernel_name = kernel
         self.kernel = KERNELS[kernel]
         self.ring = RingAttention(ring_group, kernel) if group_size(ring_group) > 1 else None
         self._doc_lengths, self._doc_ids = None, None
-        self._tables: dict[int, list[LayerMixer]] = {}  # id(model config) -> its layers (support.py)
+        self._tables: dict[int, tuple] = {}  # id(model config) -> (a weak reference to it, its layers: support.py)
+
+    @property
+    def sp_group(self):
+        return self._sp_group.get()
 
     @property
     def doc_lengths(self) -> Optional[list[list[int]]]:

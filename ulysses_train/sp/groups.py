@@ -17,6 +17,27 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .dims import ParallelDims
+from .weak_group import WeakGroup
+
+
+def _bind_world_defaults_early() -> None:
+    """torch.distributed.nn.functional and torch.distributed._shard take `group.WORLD` as a default argument when
+    they are imported. Imported once a process group exists (torch._dynamo imports them, and transformers' masking
+    utilities import torch._dynamo on the first register_ulysses_attention), they keep the default group and its
+    gloo worker threads alive past destroy_process_group into interpreter exit, where the process can abort
+    (`terminate called without an active exception`). Imported with this package, before any group exists, they
+    bind None."""
+    if dist.is_available() and not dist.is_initialized():
+        import torch.distributed._shard.api  # noqa: F401
+        import torch.distributed.nn.functional  # noqa: F401
+
+
+_bind_world_defaults_early()
+
+
+def _weak_group_property(name: str) -> property:
+    return property(lambda self: getattr(self, name).get(),
+                    lambda self, group: setattr(self, name, WeakGroup(group)))
 
 
 def disable_deepspeed_shm_allreduce() -> None:
@@ -41,7 +62,15 @@ def init_distributed(backend: str) -> None:
 
 
 class SequenceParallelGroups:
-    """Creates the SP and DP process groups (collectively, on every rank) and exposes DeepSpeed's mpu interface."""
+    """Creates the SP and DP process groups (collectively, on every rank) and exposes DeepSpeed's mpu interface.
+    The groups are held weakly (WeakGroup): `destroy_process_group()` ends them whatever still refers to this."""
+
+    sp_group = _weak_group_property("_sp_group")
+    ulysses_group = _weak_group_property("_ulysses_group")
+    ring_group = _weak_group_property("_ring_group")
+    dp_group = _weak_group_property("_dp_group")
+    world_group = _weak_group_property("_world_group")
+    model_parallel_group = _weak_group_property("_model_parallel_group")
 
     def __init__(self, sp_size: int, ring_size: int = 1):
         if not dist.is_initialized():

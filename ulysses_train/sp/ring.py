@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .block_kernels import BlockKernel, block_kernel
 from .sharding import block_positions
+from .weak_group import WeakGroup
 
 
 @dataclass(frozen=True)
@@ -211,10 +212,14 @@ class RingAttention:
     """Ring attention over `group` with the block kernel of `--attn_kernel kernel` (resolved)."""
 
     def __init__(self, group, kernel: str):
-        self.group, self.kernel_name = group, kernel
+        self._group, self.kernel_name = WeakGroup(group), kernel  # RINGS is global: hold the group weakly
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.index = len(RINGS)
         RINGS.append(self)
+
+    @property
+    def group(self):
+        return self._group.get()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, doc_ids: Optional[Tensor]) -> Tensor:
         """q (b, h, n, d), k/v (b, hkv, n, d): this rank's pair of chunks, after the Ulysses all-to-all ->

@@ -154,6 +154,7 @@ def main(argv=None) -> int:
                       "cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = load_tokenizer(a.tokenizer, a.model)
         samples = load_samples(a, tokenizer)
+        require_targets(a, samples)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -179,8 +180,30 @@ def load_samples(a: argparse.Namespace, tokenizer):
         return CorpusSource(samples, packing=False)
     samples, _, _ = sft_samples(corpus, fmt, tokenizer, a.seq_len, dataset=a.dataset, split=a.dataset_split,
                                 cache_dir=a.data_cache_dir, chat_template=a.chat_template, loss_on=a.loss_on,
-                                truncation=a.truncation)
+                                truncation=a.truncation, vocab_size=_vocab_size(a.model))
     return ChatSource(samples)
+
+
+def _vocab_size(model: str):
+    """The model's vocabulary, from its config alone (pre-tokenized ids are checked against it); None if the config
+    does not say."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    return getattr(config.get_text_config(), "vocab_size", None)
+
+
+def require_targets(a: argparse.Namespace, samples) -> None:
+    """The first --num_samples samples must hold a target, or every mean would be NaN (a ConfigError naming the
+    flags, before any process group or model)."""
+    from ..data.sources import build_batch, trainable_tokens
+
+    n = min(a.num_samples, samples.num_samples)
+    if any(trainable_tokens(build_batch([samples.get(i)], packing=False)) for i in range(n)):
+        return
+    raise ConfigError(f"the first {n} sample(s) of --dataset {a.dataset} have no target (nothing the model is "
+                      f"trained to write under --loss_on {a.loss_on}): raise --num_samples, or check --loss_on and "
+                      f"--chat_template")
 
 
 def evaluate(a: argparse.Namespace, samples) -> None:

@@ -42,5 +42,6 @@ def evaluate(run, source, max_samples: Optional[int]) -> dict:
         run.engine.train()
     dist.all_reduce(totals)
     tokens = int(totals[1].item())
-    return {"eval_loss": totals[0].item() / max(1, tokens), "eval_tokens": tokens, "eval_samples": n,
+    # no target (the first --eval_samples train nothing): no loss, not a loss of 0
+    return {"eval_loss": totals[0].item() / tokens if tokens else None, "eval_tokens": tokens, "eval_samples": n,
             "eval_micro_batches": math.ceil(n / (micro * g.dp_size))}

@@ -9,7 +9,10 @@ interrupts the start-up (`Interrupted`).
 `ULYSSES_TRAIN_FAULT` injects a fault, for tests and drills only: `raise:STEP:RANK` raises on one rank at the
 start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs rank 0 at the start of a step,
 `kill_in_save:STEP` SIGKILLs rank 0 in the middle of that step's checkpoint, `enospc_in_save:STEP` fails that
-save as a full disk would.
+save as a full disk would. Two hold a run where a test sends a signal, so that the outcome does not depend on how
+fast the run is: `hold_at:STEP` waits at the start of that step, on every rank, until the rank is asked to stop
+(SIGTERM, Ctrl-C, the launcher gone), then goes on; `hold_in_save` waits in the middle of every checkpoint, on
+every rank, until a signal ends the process (a second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import errno
 import math
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -98,11 +102,22 @@ def _fault():
     return spec.split(":") if spec else []
 
 
-def inject_at_step(step: int, rank: int) -> None:
+HOLD_POLL_S = 0.05
+
+
+def _hold(until) -> None:
+    """Waits (signal handlers run between the sleeps) until `until()` is true, or a handler raises."""
+    while not until():
+        time.sleep(HOLD_POLL_S)
+
+
+def inject_at_step(step: int, rank: int, stop: "StopFlag" = None) -> None:
     """Called at the start of each (1-based) step."""
     fault = _fault()
-    if not fault or int(fault[1]) != step:
+    if not fault or len(fault) < 2 or int(fault[1]) != step:
         return
+    if fault[0] == "hold_at" and stop is not None:
+        _hold(lambda: stop.requested)
     if fault[0] == "raise" and int(fault[2]) == rank:
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (ULYSSES_TRAIN_FAULT)")
     if fault[0] == "kill" and rank == 0:
@@ -117,7 +132,9 @@ def inject_nan(step: int) -> bool:
 def inject_in_save(step: int, rank: int) -> None:
     """Called between writing a checkpoint's shards and marking it complete."""
     fault = _fault()
-    if not fault or int(fault[1]) != step or rank != 0:
+    if fault == ["hold_in_save"]:
+        _hold(lambda: False)
+    if len(fault) < 2 or int(fault[1]) != step or rank != 0:
         return
     if fault[0] == "kill_in_save":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -99,7 +99,7 @@ def train(run) -> list[dict]:
     with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, trackers, cfg.log_every, run.start_step,
                        cfg.to_dict()) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
         for step in range(run.start_step + 1, cfg.steps + 1):
-            inject_at_step(step, run.rank)
+            inject_at_step(step, run.rank, stop)
             profile.before_step(step)
             record = train_step(run, step)
             profile.after_step(step)

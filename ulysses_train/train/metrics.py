@@ -86,7 +86,8 @@ class MetricsLogger:
         self.file.flush()
         if self.trackers is not None:
             self.trackers.log({k: v for k, v in record.items() if not k.startswith("eval_")}, record["step"])
-            evaluation = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
+            evaluation = {k.removeprefix("eval_"): v for k, v in record.items()
+                          if k.startswith("eval_") and v is not None}  # no loss where nothing was a target
             if evaluation:
                 self.trackers.log(evaluation, record["step"], prefix="eval")
         self.bar.update(1)
@@ -97,8 +98,9 @@ class MetricsLogger:
                 f"tokens {record['num_tokens']} | {record['tokens_per_s']:.0f} tok/s | {record['step_time_s']:.2f} s"
                 f" | peak {record['peak_mem_gib']:.2f} GiB | lr {record['lr']:.2e}")
         if "eval_loss" in record:
-            self.bar.write(f"step {record['step']:>5} | eval loss {record['eval_loss']:.4f} over "
-                           f"{record['eval_tokens']:,} tokens of {record['eval_samples']} samples")
+            loss = "none (no target)" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
+            self.bar.write(f"step {record['step']:>5} | eval loss {loss} over {record['eval_tokens']:,} tokens of "
+                           f"{record['eval_samples']} samples")
 
     def write(self, message: str) -> None:
         if self.enabled:

@@ -4,7 +4,8 @@ The trainer is built exactly as the flags say (SP and DP sizes, ZeRO stage, ever
 dtype, `--model` or a preset), runs the forward and backward of its first step at `--verify_seq_len` tokens and
 stops before the optimizer step. Rank 0 then gathers the engine's weights and the gradient of every parameter and
 runs a single-process reference on the same weights and tokens: plain transformers (`AutoModelForCausalLM`,
-SDPA attention, its own loss, none of our levers), once in fp32 and once in the run's dtype.
+SDPA attention, none of our levers), once in fp32 (the cross-entropy of its logits in fp64: the reference stands for
+the exact gradient) and once in the run's dtype (its own loss).
 
 Why the run's dtype matters: bf16 is never equal to fp32, so a fixed tolerance either hides a real fault (the
 bf16 rotary frequencies once cost 25 times transformers' own bf16 error) or fails runs that are as exact as bf16
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..data.sources import trainable_tokens
+from ..errors import ConfigError
+from ..sp.sharding import IGNORE_INDEX, shift_labels
 from .faults import NonFiniteError
 from .loop import accumulate
 
@@ -164,9 +167,15 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
         if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)
             continue
-        out = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
-                    labels=batch["labels"].to(device), use_cache=False)
-        share = out.loss * (count / max(1, sum(counts)))  # transformers' loss is this batch's mean
+        inputs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
+                  "use_cache": False}
+        if dtype == torch.float32:  # the model's own logits, the cross-entropy in fp64: see fp64_cross_entropy_sum
+            out = model(**inputs)
+            share = fp64_cross_entropy_sum(out.logits, shift_labels(batch["labels"]).to(device)) / max(1, sum(counts))
+            if getattr(out, "aux_loss", None) is not None:  # a MoE's load-balancing loss, as transformers adds it
+                share = share + model_config.router_aux_loss_coef * out.aux_loss * (count / max(1, sum(counts)))
+        else:  # transformers' own loss: this batch's mean
+            share = model(**inputs, labels=batch["labels"].to(device)).loss * (count / max(1, sum(counts)))
         share.backward()
         total += share.item()
     grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
@@ -176,6 +185,28 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return total, grads, buffers
+
+
+def _ce_fp64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def fp64_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The fp32 reference's loss: the sum of the cross-entropy of fp32 logits (b, s, V), computed in fp64, rows
+    in pieces of about 1 GiB each recomputed in the backward (no fp64 copy of every logit is kept).
+
+    Why: the reference stands for the exact gradient. transformers' loss in fp32 is F.cross_entropy, whose CPU
+    log-softmax is off by 2e-5 per token at a 49k vocabulary (levers/loss.py: cross_entropy_sum), which moved
+    SmolLM2-135M's gradients by 1e-4 (the fp32 limit) while our loss was within 3e-6 of fp64."""
+    from torch.utils.checkpoint import checkpoint
+
+    logits, labels = logits.flatten(0, -2), labels.flatten()
+    rows = max(1, 2**27 // logits.shape[-1])
+    total = logits.new_zeros((), dtype=torch.float64)
+    for start in range(0, logits.shape[0], rows):
+        total = total + checkpoint(_ce_fp64, logits[start:start + rows], labels[start:start + rows],
+                                   use_reentrant=False)
+    return total
 
 
 def buffer_mismatches(ours: dict, theirs: dict) -> list[str]:
@@ -226,6 +257,8 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     buffers and gradients on rank 0, and the whole batches of every DP rank (rank 0 runs the reference on all of
     them)."""
     g, rank = trainer.groups, trainer.rank
+    batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
+    require_targets(trainer, batches)
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
     loss, _, skipped = accumulate(trainer, step + 1, finish=False)
@@ -233,8 +266,18 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
         raise NonFiniteError("--verify: the loss of the first step is not finite")
     loss = loss.item()
     grads = _gather_grads(trainer.engine, rank)
-    batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
     return loss, weights, buffers, grads, batches
+
+
+def require_targets(trainer, batches: list[dict]) -> None:
+    """The checked step must train something, or there is no gradient to compare (every rank holds every batch,
+    so every rank raises)."""
+    if any(trainable_tokens(b) for b in batches):
+        return
+    raise ConfigError(f"--verify: the first step's {sum(len(b['input_ids']) for b in batches)} sequence(s) have no "
+                      f"target (nothing the model is trained to write): nothing to compare; check --dataset, "
+                      f"--loss_on and --chat_template, or raise --micro_batch_size / --grad_accum to take in more "
+                      f"samples")
 
 
 # ---------------------------------------------------------------- report
