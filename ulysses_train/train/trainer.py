@@ -273,9 +273,10 @@ class Trainer:
         loss = f"{lv.loss} ({lv.loss_kernel})" if lv.loss == "fused" else lv.loss
         layers = self.model_config.num_hidden_layers
         checkpointed = f"{lv.checkpointed(layers)} of {layers} layers" if lv.checkpointing else "off"
+        deltanet = f" | DeltaNet SP mixers: {counts['DeltaNet SP'][0]}" if "DeltaNet SP" in counts else ""
         return (f"loss {loss} | checkpointing {checkpointed} (attention kept: {lv.keep_attention}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
-                f"{fused}")
+                f"{fused}{deltanet}")
 
     def describe_sp(self) -> str:
         g = self.groups
