@@ -139,3 +139,22 @@ def test_the_support_check_lets_deltanet_through_under_sp_and_refuses_the_rest()
     assert "--sp_size 2" in message and "3 linear key heads" in message and "6 linear value heads" in message
     config.linear_num_key_heads, config.linear_num_value_heads = 2, 2  # replicated keys, but 2 value heads for 4
     assert "2 linear value heads" in _refused(config, sp_size=4)
+
+
+def test_each_familys_mixer_has_what_the_sp_forward_reads_and_a_changed_one_fails_naming_the_version():
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.sp.deltanet import is_deltanet, layout_of
+
+    layouts = {}
+    for name in FAMILIES:
+        model = AutoModelForCausalLM.from_config(any_tiny_config(name))
+        mixers = [m for m in model.modules() if is_deltanet(m)]
+        assert len(mixers) == 3, name
+        layouts[name] = {layout_of(m) for m in mixers}
+    assert layouts == {"qwen3_5_text": {"qkv, z, b, a"}, "qwen3_5_moe_text": {"qkv, z, b, a"},
+                       "qwen3_next": {"qkvz, ba"}}
+    del mixers[0].dt_bias
+    with pytest.raises(TypeError, match=f"transformers {transformers.__version__} lacks dt_bias"):
+        layout_of(mixers[0])
