@@ -77,7 +77,27 @@ LINEAR = {
     "qwen3_next": dict(COMMON, num_hidden_layers=4, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
                        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=32, pad_token_id=0),
+    "qwen3_5_moe_text": dict(COMMON, num_hidden_layers=4, head_dim=8, linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             pad_token_id=0),
 }
+
+
+def perturb_deltanet(model, seed: int) -> None:
+    """transformers initialises `dt_bias` and the gated norm to ones; distinct values per head (and per channel) make
+    a wrong slice of them, or of the conv's channels, show in the tests. `A_log` is drawn from a narrower range than
+    transformers' (A in [0.01, 16]): at A near 16 the decay's cumulative sum over one 64-position chunk leaves fp32's
+    normal range in the torch fallback's exponentials, and transformers' own fp32 gradients of `A_log` and `dt_bias`
+    are then a few 1e-5 from what fp64 projections give, which a 1e-5 bound would take for an error of the cut."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith(("dt_bias", "linear_attn.norm.weight")):
+            param.data.copy_(1 + 0.5 * torch.randn(param.shape, generator=g))
+        elif name.endswith("A_log"):
+            param.data.copy_(torch.empty(param.shape).uniform_(0.05, 0.5, generator=g).log())
 
 
 def any_tiny_config(model_type: str):

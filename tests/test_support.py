@@ -25,8 +25,8 @@ def _refused(config, **run) -> str:
 
 
 def test_every_listed_family_has_a_tested_tiny_config():
-    """A family in the table is one the equivalence tests run (qwen3_5_moe_text shares Qwen3.5's layers)."""
-    assert set(FAMILIES) - set(TESTED) <= {"qwen3_5_moe_text"}
+    """A family in the table is one the equivalence tests run."""
+    assert set(FAMILIES) <= set(TESTED)
 
 
 @pytest.mark.parametrize("model_type", sorted(TESTED))
@@ -63,10 +63,14 @@ def test_the_readme_table_is_the_checks_own():
     assert supported_models_table() in readme, "regenerate the README's table: python -m ulysses_train.sp.support"
 
 
-def test_deltanet_layers_under_sp_are_refused_with_their_count_and_what_works():
-    message = _refused(any_tiny_config("qwen3_5_text"), sp_size=2)
-    assert "`linear_attention` layers (3 of 4, Gated DeltaNet)" in message and "--sp_size 1 works" in message
-    assert "qwen3_5_text" in message
+def test_deltanet_layers_of_a_family_without_the_sp_mixer_are_refused_with_their_count_and_what_works():
+    """The SP mixer (sp/deltanet.py) is built for Qwen3.5 and Qwen3-Next: the same layer type elsewhere is refused."""
+    config = any_tiny_config("olmo3")
+    config.layer_types = ["linear_attention", "full_attention"]
+    message = _refused(config, sp_size=2)
+    assert "`linear_attention` layers (1 of 2, Gated DeltaNet)" in message and "--sp_size 1 works" in message
+    assert "olmo3" in message
+    check_support(any_tiny_config("qwen3_5_text"), sp_size=2)
 
 
 def test_an_unknown_family_is_refused_never_assumed_full_attention():
@@ -141,10 +145,13 @@ def test_the_attention_refuses_arguments_its_table_does_not_account_for():
     assert attention(module, q, k, v, None, sliding_window=8)[0].shape == (1, 16, 8, 8)
 
 
-def test_a_deltanet_model_under_sp_stops_before_the_model_is_built(tmp_path):
-    """Two ranks, --sp_size 2: exit 2 with the message, and no model or engine built (no 'params' line)."""
+def test_a_deltanet_model_whose_heads_sp_cannot_cut_stops_before_the_model_is_built(tmp_path):
+    """Two ranks, --sp_size 2, 3 linear key heads (neither split nor replicated): exit 2 with the message, and no
+    model or engine built (no 'params' line)."""
     config = tmp_path / "qwen35.json"
-    config.write_text(any_tiny_config("qwen3_5_text").to_json_string())
+    qwen35 = any_tiny_config("qwen3_5_text")
+    qwen35.linear_num_key_heads, qwen35.linear_num_value_heads = 3, 6
+    config.write_text(qwen35.to_json_string())
     from tests.test_train_e2e import deepspeed_launcher, _env
 
     proc = subprocess.run(deepspeed_launcher(2) + ["launch/train.py", "--ds_config", "ds_configs/zero3.json",
@@ -152,6 +159,7 @@ def test_a_deltanet_model_under_sp_stops_before_the_model_is_built(tmp_path):
                                                    "--output_dir", str(tmp_path / "out")],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "`linear_attention` layers (3 of 4, Gated DeltaNet) are not sharded exactly" in proc.stderr
+    assert "--sp_size 2 cannot cut the Gated DeltaNet layers' 3 linear key heads and 6 linear value heads" in \
+        proc.stderr
     assert "params" not in proc.stdout and "Traceback" not in proc.stderr
     assert layer_mixers(any_tiny_config("qwen3_5_text"))[3].attention

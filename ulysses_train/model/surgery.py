@@ -9,6 +9,7 @@ modules it expects to patch, and the lever and flag that ask for it.
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
 | SwiGLU | the forward of each MLP computing down(silu(gate) * up), by the fused product | every dense `*.mlp` |
 | tiled MLP | the forward of each dense MLP, by DeepSpeed's TiledMLP over sequence tiles | every dense `*.mlp` |
+| DeltaNet SP | the forward of each Gated DeltaNet mixer, by the Ulysses one (sp/deltanet.py), under --sp_size > 1 | every `linear_attention` layer's mixer |
 
 What a module computes decides whether it is patched (model/matching.py), not how its code is spelt. A lever the
 policy turned on that patches no module is an error naming its flag when the flag asked for it, and under `auto`
@@ -38,6 +39,8 @@ from ..levers.loss import LMHeadWithLoss, backbone, liger_check
 from ..levers.offload import HostOffload
 from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
+from ..sp.all_to_all import group_size
+from ..sp.deltanet import is_deltanet, layout_of as deltanet_layout, sp_forward as deltanet_forward
 from .matching import computes_llama_rms_norm, computes_llama_rotary, computes_swiglu, rebind_global, uses_global
 
 _SUBCLASSES: dict[tuple, type] = {}  # (original class, what replaces) -> the subclass swapped in
@@ -158,6 +161,20 @@ def install_fused_mlp(model: nn.Module) -> int:
     return patched
 
 
+def install_deltanet_sp(model: nn.Module, sp_group) -> int:
+    """Every Gated DeltaNet mixer runs its conv and recurrence over the whole sequence for its rank's heads
+    (sp/deltanet.py); nothing is patched without an SP group of more than one rank. A module lacking what the SP
+    forward reads is a TypeError naming the transformers version, before any step."""
+    if group_size(sp_group) == 1:
+        return 0
+    mixers = [m for m in model.modules() if is_deltanet(m) and type(m) not in _SUBCLASSES.values()]
+    for module in mixers:
+        module._sp_layout = deltanet_layout(module)
+        module._sp_group, module._sp_rank = sp_group, torch.distributed.get_rank(sp_group)
+        _swap_class(module, "SequenceParallel", {"forward": deltanet_forward})
+    return len(mixers)
+
+
 def enable_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
     """Every dense MLP runs over sequence tiles (its class's forward per tile, so it composes with the fused one)."""
     mlps = _dense_mlps(model)
@@ -194,6 +211,9 @@ PATCHES = {
                     lambda m: sum(n.endswith("self_attn") for n, _ in m.named_modules())),
     "SwiGLU": Patch("SwiGLU", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
     "tiled MLP": Patch("tiled MLP", "tiled_mlp", "--tiled_mlp", lambda m: len(_dense_mlps(m))),
+    # not a lever: installed whenever --sp_size > 1 (install_deltanet_sp), one per `linear_attention` layer
+    "DeltaNet SP": Patch("DeltaNet SP", "", "--sp_size",
+                         lambda m: list(getattr(m.config, "layer_types", None) or []).count("linear_attention")),
 }
 
 
@@ -203,6 +223,21 @@ class SurgeryReport:
 
     def describe(self) -> str:
         return ", ".join(f"{name} {done}/{want}" for name, (done, want) in self.counts.items())
+
+
+def apply_sp_patches(model: nn.Module, sp_group, report: SurgeryReport) -> None:
+    """The patches sequence parallelism needs beyond the attention function (today the DeltaNet mixers), recorded
+    in `report`; a model whose mixers this transformers no longer lets us patch, all of them, stops here."""
+    if group_size(sp_group) == 1:
+        return
+    expected = PATCHES["DeltaNet SP"].expected(model)
+    if not expected:
+        return
+    done = install_deltanet_sp(model, sp_group)
+    if done != expected:
+        raise RuntimeError(f"DeltaNet SP patched {done} of the {expected} `linear_attention` layers' mixers of this "
+                           f"{type(model).__name__} (model/surgery.py): the others would run on their own shard")
+    report.counts["DeltaNet SP"] = (done, expected)
 
 
 def _explicit(request: LeverRequest, lever: str) -> bool:
@@ -276,3 +311,4 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
                               f"turn it off with {flag} {'false' if lever == 'checkpointing' else 'off'}")
         levers = levers.off(lever, f"auto: off, no module of {type(model).__name__} computes what it replaces")
     return levers, report
+

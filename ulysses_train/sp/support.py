@@ -5,7 +5,9 @@ Ulysses gives each rank the whole sequence for a subset of heads, so whatever a 
 sequence, and is exact. The danger is a layer that never passes through the attention interface (a Gated DeltaNet
 or Mamba mixer): it would run on its rank's shard as if the sequence started there, with a normal-looking loss and
 wrong gradients. So nothing is assumed: a family the trainer has not checked, a layer type it does not know, or a
-feature it has not built for this run's SP, ring and kernel is a ConfigError naming what would work.
+feature it has not built for this run's SP, ring and kernel is a ConfigError naming what would work. The Gated DeltaNet
+layers of the families in SHARDED_MIXERS run exactly under Ulysses (deltanet.py: the same head all-to-all, the conv
+and the recurrence over the whole sequence for each rank's heads); not yet with a ring, nor packed.
 
 `layer_mixers(config)` reads one `LayerMixer` per decoder layer from the config (its `layer_types`, `sliding_window`,
 `attention_chunk_size`, `no_rope_layers`, softcaps, sinks, per-layer heads); `check_support` applies this run's
@@ -41,7 +43,7 @@ class Family:
 
 
 _WINDOWED = dict(ring=False)
-_LINEAR = dict(sequence_parallel=False, packing=False)
+_LINEAR = dict(ring=False, packing=False)  # Gated DeltaNet under Ulysses (deltanet.py), not over a ring nor packed
 
 # model_type -> family; every entry is checked against plain transformers in tests/test_frontier_families.py,
 # tests/test_model_families.py and tests/test_model_equivalence.py
@@ -84,6 +86,8 @@ ROUTER_AUX_LOSS = {"qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
 
 # layer types whose token mixer is not attention, with what they are (the refusal names them)
 LINEAR_MIXERS = {"linear_attention": "Gated DeltaNet"}
+# layer type -> the families whose mixer of that type runs exactly under Ulysses (deltanet.py, tests/test_deltanet.py)
+SHARDED_MIXERS = {"linear_attention": {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}}
 
 
 @dataclass(frozen=True)
@@ -186,9 +190,12 @@ def _refusals(config, mixers: list[LayerMixer], sp_size: int, ring_size: int, ke
     why, model = [], config.model_type
     for kind, n in Counter(m.kind for m in mixers if not m.attention).items():
         what = f"`{kind}` layers ({n} of {len(mixers)}, {LINEAR_MIXERS[kind]})"
-        if sp_size > 1:
+        if sp_size > 1 and model not in SHARDED_MIXERS.get(kind, ()):
             why.append(f"{what} are not sharded exactly under sequence parallelism yet (each rank would run them "
                        f"on its own shard): --sp_size 1 works")
+        elif ring_size > 1:
+            why.append(f"{what} under --ring_size {ring_size} are not built (the recurrence's state would have to "
+                       f"pass round the ring): use --ring_size 1 (Ulysses alone)")
         if packing:
             why.append(f"{what} would carry their state across packed documents: drop --packing")
     if getattr(config, "use_bidirectional_attention", False):
@@ -222,7 +229,22 @@ def check_support(config, sp_size: int = 1, ring_size: int = 1, kernel: str = "s
         raise ConfigError("this run would not be exact:\n  " + "\n  ".join(why))
     for q, kv in sorted({(m.q_heads, m.kv_heads) for m in mixers if m.attention}):
         dims.check_heads(sp_size, q, kv, ring_size)
+    if any(m.kind == "linear_attention" for m in mixers):
+        _check_linear_heads(config, sp_size)
     return mixers
+
+
+def _check_linear_heads(config, sp_size: int) -> None:
+    """The DeltaNet mixer's all-to-all (deltanet.py) splits the value heads over the SP ranks, and the key heads too,
+    or replicates each key head on sp/nk ranks when their count divides sp (attention's rule for KV heads)."""
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    if nv % sp_size == 0 and (nk % sp_size == 0 or sp_size % nk == 0):
+        return
+    works = [d for d in range(1, nv + 1) if nv % d == 0 and (nk % d == 0 or d % nk == 0)]
+    raise ConfigError(f"--sp_size {sp_size} cannot cut the Gated DeltaNet layers' {nk} linear key heads and {nv} "
+                      f"linear value heads (linear_num_key_heads, linear_num_value_heads): the value heads must split "
+                      f"over the ranks, and the key heads split or be replicated (their count dividing --sp_size); "
+                      f"--sp_size {' or '.join(map(str, works))} works")
 
 
 def describe_layers(mixers: list[LayerMixer]) -> str:

@@ -127,7 +127,7 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
     # forward: R - 1 K/V blocks on; backward: R - 1 K/V blocks again and R fp32 dK/dV accumulators
     p2p = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes
     p2p_backward = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes + ring * kv_block * 4
-    layers = attention_layers(g, range(g["layers"]))  # a DeltaNet layer sends nothing (and runs at SP 1 only)
+    layers = attention_layers(g, range(g["layers"]))  # a DeltaNet layer's all-to-alls are not counted here
     return {"all-to-all": layers * a2a * (forwards + 1),
             "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
 

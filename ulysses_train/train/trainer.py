@@ -30,7 +30,7 @@ from ..levers.rope import configure_rope
 from ..model.buffers import restore_fp32_buffers
 from ..model.build import attention_heads, build_model, load_model_config
 from ..model.geometry import geometry
-from ..model.surgery import apply_levers
+from ..model.surgery import apply_levers, apply_sp_patches
 from ..sp import dims
 from ..sp.attention import register_ulysses_attention
 from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
@@ -184,6 +184,7 @@ class Trainer:
         self.offload = HostOffload() if levers.offload_activations else None
         self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
                                                  cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
+        apply_sp_patches(model, self.groups.ulysses_group, self.surgery)  # the same group as the attention's
         if self.levers.why:
             self.log("levers: " + "; ".join(f"{lever} {reason}" for lever, reason in self.levers.why.items()))
         return model
@@ -272,9 +273,10 @@ class Trainer:
         loss = f"{lv.loss} ({lv.loss_kernel})" if lv.loss == "fused" else lv.loss
         layers = self.model_config.num_hidden_layers
         checkpointed = f"{lv.checkpointed(layers)} of {layers} layers" if lv.checkpointing else "off"
+        deltanet = f" | DeltaNet SP mixers: {counts['DeltaNet SP'][0]}" if "DeltaNet SP" in counts else ""
         return (f"loss {loss} | checkpointing {checkpointed} (attention kept: {lv.keep_attention}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
-                f"{fused}")
+                f"{fused}{deltanet}")
 
     def describe_sp(self) -> str:
         g = self.groups

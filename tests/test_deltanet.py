@@ -1,0 +1,160 @@
+"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) under Ulysses SP equal plain transformers.
+
+A DeltaNet layer never passes through the attention interface: left alone, each rank would run the causal conv and
+the recurrence on its own shard as if the sequence started there. With the SP mixer (sp/deltanet.py) each rank runs
+them on the whole sequence for its heads. The sequence (80) is longer than the torch fallback's chunk (64), so the
+recurrence crosses a chunk boundary, and every rank's shard reads the conv's and the state's past from another rank.
+At SP 4 the 2 key heads are fewer than the ranks: each is replicated on 2 ranks, which split its 2 value heads.
+
+Reference: transformers on the same weights, fp32, one process, computed in the same test (its torch fallback of
+the chunked gated delta rule on CPU). Every gradient is held to 1e-5 relative, but those of `A_log` and `dt_bias`,
+which reach the loss through exponentials of cumulative sums of the decay: transformers' own fp32 gradients of them
+move by up to 4e-5 when only its projections round otherwise (fp64 projections, the same fp32 recurrence), and a
+shard's projections round otherwise than the whole sequence's. Those two are held, as `--verify` holds a bf16 run,
+to twice transformers' own error against that more precise reference (and never below 1e-5); a cut in the wrong
+place moves every gradient by orders of magnitude more. Each rank runs the SP
+mixer, the Ulysses attention for the gated attention layer and our fused loss head, and back-propagates its share;
+the sum of the ranks' gradients must equal the reference's, per tensor. One launch per SP size runs every family."""
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.models import any_tiny_config, perturb_deltanet
+from ulysses_train.errors import ConfigError
+from ulysses_train.sp.support import check_support
+
+SEQ = 80
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+LIMIT = 1e-5
+DECAY = ("A_log", "dt_bias")
+
+
+def _model(name: str, attention: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(any_tiny_config(name), attn_implementation=attention)
+
+
+def _reference(name: str, seed: int):
+    torch.manual_seed(seed)
+    model = _model(name, "eager")
+    perturb_deltanet(model, seed)
+    ids = torch.randint(3, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return model.state_dict(), ids, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _precise(name: str, seed: int, state, ids) -> dict:
+    """The gradients of the decay's parameters with fp64 projections (transformers' recurrence stays fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(any_tiny_config(name), attn_implementation="eager",
+                                             experts_implementation="eager").double()  # grouped_mm takes no fp64
+    model.load_state_dict(state)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if n.endswith(DECAY)}
+
+
+def _relative(grad, ref) -> float:
+    return ((grad.double() - ref).norm() / ref.norm()).item() if ref.norm() > 0 else grad.norm().item()
+
+
+def _sharded(rank, world, cases):
+    import torch.distributed as dist
+
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_deltanet_sp, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.sharding import shard_sequence
+
+    group = dist.new_group(list(range(world)))
+    register_ulysses_attention(group, "sdpa")
+    results = {}
+    for name, seed in cases:
+        state, ids, _, _ = _reference(name, seed)
+        model = _model(name, "ulysses")
+        model.load_state_dict(state)
+        install_loss_head(model, fused=True, chunk_size=16)
+        patched = install_deltanet_sp(model, group)
+        shard = shard_sequence(ids, world, rank)
+        loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
+                                         global_token_count(shard["labels"], group))
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        grads = {}
+        for pname, param in model.named_parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)  # an expert no token chose
+            dist.all_reduce(grad, group=group)
+            grads[pname] = grad
+        results[name] = (total.item(), grads, patched)
+    return results
+
+
+def _check(results, cases):
+    for name, seed in cases:
+        state, ids, ref_loss, ref_grads = _reference(name, seed)
+        precise = _precise(name, seed, state, ids)
+        for by_case in results:
+            loss, grads, patched = by_case[name]
+            assert patched == 3, (name, patched)  # the tiny configs' 3 DeltaNet layers of 4
+            assert loss == pytest.approx(ref_loss, rel=1e-5), name
+            for pname, ref in ref_grads.items():  # per tensor, as --verify measures: fp32 sums in another order
+                if pname in precise:
+                    error = _relative(grads[pname], precise[pname])
+                    limit = 2 * max(_relative(ref, precise[pname]), LIMIT)
+                else:
+                    error, limit = _relative(grads[pname], ref), LIMIT
+                assert error <= limit, f"{name}, {pname}: relative error {error:.2e} (limit {limit:.2e})"
+
+
+def test_deltanet_families_at_sp2_match_transformers():
+    cases = [(name, 5 + i) for i, name in enumerate(FAMILIES)]
+    _check(run_distributed(_sharded, 2, cases), cases)
+
+
+def test_deltanet_families_at_sp4_with_replicated_key_heads_match_transformers():
+    cases = [(name, 17 + i) for i, name in enumerate(FAMILIES)]
+    _check(run_distributed(_sharded, 4, cases), cases)
+
+
+def _refused(config, **run) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_support(config, **run)
+    return str(e.value)
+
+
+def test_the_support_check_lets_deltanet_through_under_sp_and_refuses_the_rest():
+    for name in FAMILIES:
+        config = any_tiny_config(name)
+        check_support(config, sp_size=2)
+        check_support(config, sp_size=4)  # 2 key heads, replicated
+        assert "--ring_size 1" in _refused(config, sp_size=4, ring_size=2)
+        assert "drop --packing" in _refused(config, sp_size=2, packing=True)
+    config = any_tiny_config("qwen3_5_text")
+    config.linear_num_key_heads, config.linear_num_value_heads = 3, 6  # 3 key heads: neither split nor replicated
+    message = _refused(config, sp_size=2)
+    assert "--sp_size 2" in message and "3 linear key heads" in message and "6 linear value heads" in message
+    config.linear_num_key_heads, config.linear_num_value_heads = 2, 2  # replicated keys, but 2 value heads for 4
+    assert "2 linear value heads" in _refused(config, sp_size=4)
+
+
+def test_each_familys_mixer_has_what_the_sp_forward_reads_and_a_changed_one_fails_naming_the_version():
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.sp.deltanet import is_deltanet, layout_of
+
+    layouts = {}
+    for name in FAMILIES:
+        model = AutoModelForCausalLM.from_config(any_tiny_config(name))
+        mixers = [m for m in model.modules() if is_deltanet(m)]
+        assert len(mixers) == 3, name
+        layouts[name] = {layout_of(m) for m in mixers}
+    assert layouts == {"qwen3_5_text": {"qkv, z, b, a"}, "qwen3_5_moe_text": {"qkv, z, b, a"},
+                       "qwen3_next": {"qkvz, ba"}}
+    del mixers[0].dt_bias
+    with pytest.raises(TypeError, match=f"transformers {transformers.__version__} lacks dt_bias"):
+        layout_of(mixers[0])

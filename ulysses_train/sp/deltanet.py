@@ -1,0 +1,156 @@
+"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) exact under Ulysses, by the same head all-to-all as
+attention.
+
+A DeltaNet mixer never passes through the attention interface. Its causal depthwise conv reads the last few
+positions, and its recurrence the state of every position before, so on a rank's shard alone both would start
+from zeros where the shard starts. Both are per head, though (the conv's channels are the q, k and v channels of one
+head each; the recurrence of a value head reads its own key head only), so the Ulysses cut works unchanged: each rank
+runs them over the whole sequence for a subset of heads.
+
+    hidden (b, s/sp, H) -> the module's own projections on the shard
+      q, k (b, s/sp, nk, dk), v (b, s/sp, nv, dv); z (b, s/sp, nv, dv) stays here;
+      g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) (b, s/sp, nv), on the shard with every head
+      -> [replicate key heads if nk < sp] -> all-to-all -> q, k (b, s, nk/sp or 1, dk), v (b, s, nv/sp, dv), g, beta
+      -> causal conv with this rank's channels of the conv weight -> the chunked gated delta rule -> (b, s, nv/sp, dv)
+      -> all-to-all -> (b, s/sp, nv, dv) -> the gated norm with z -> out_proj
+
+Why g and beta are made before the all-to-all, and the norm after it: both are elementwise per position and head,
+so they give the same numbers on either side, and on the shard they need the whole `A_log`, `dt_bias` and norm
+weight rather than this rank's slice of them; z never moves.
+
+Head blocks are contiguous, as in attention.py: rank r holds value heads [r*nv/sp, (r+1)*nv/sp). transformers
+gives value head j the key head j // (nv/nk) (`repeat_interleave` in its gated delta rule), so these value heads
+read key heads [r*nk/sp, (r+1)*nk/sp) when sp divides nk, or the one key head r // (sp/nk) when nk divides sp, which
+is replicated sp/nk times before the all-to-all (the rule of attention's KV heads). Gradients: each rank's slice of
+the conv weight gets the gradient of its heads over the whole sequence, zeros elsewhere, so the sum over the SP
+group (what the trainer's reduction makes) is the whole weight's gradient; a replicated key head's two ranks each
+add the part of its own value heads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .all_to_all import all_to_all, group_size
+
+# what the SP forward reads from a transformers DeltaNet module, and from its modeling file
+MODULE_ATTRIBUTES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv1d",
+                     "activation",
+                     "A_log", "dt_bias", "norm", "out_proj")
+LAYOUTS = {"qkv, z, b, a": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5
+           "qkvz, ba": ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")}  # Qwen3-Next
+KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+# keyword arguments that would make the conv and the recurrence restart at documents: packing is not built here
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+
+
+def layout_of(module: nn.Module) -> str:
+    """Which projections the module has, or a TypeError naming what is missing and the transformers version."""
+    missing = [a for a in MODULE_ATTRIBUTES if not hasattr(module, a)]
+    layout = next((name for name, attrs in LAYOUTS.items() if all(hasattr(module, a) for a in attrs)), None)
+    source = sys.modules.get(type(module).__module__)
+    missing += [f"{type(module).__module__}.{k}" for k in KERNELS if not hasattr(source, k)]
+    if missing or layout is None:
+        import transformers
+
+        what = ", ".join(missing) or "none of the known in-projections (" + "; ".join(LAYOUTS) + ")"
+        raise TypeError(f"{type(module).__name__} of transformers {transformers.__version__} lacks {what}: the "
+                        f"sequence-parallel DeltaNet mixer (sp/deltanet.py) does not know this version's layer")
+    return layout
+
+
+def rank_heads(nk: int, nv: int, sp: int, rank: int) -> tuple[range, range]:
+    """(key heads, value heads) of `rank`, as the all-to-all cuts them (the module docstring's rule)."""
+    if nv % sp or (nk % sp and sp % nk):
+        raise ValueError(f"{nk} key and {nv} value heads cannot be cut for sp={sp} (sp/support.py checks this)")
+    values = range(rank * nv // sp, (rank + 1) * nv // sp)
+    if nk % sp == 0:
+        return range(rank * nk // sp, (rank + 1) * nk // sp), values
+    first = rank // (sp // nk)
+    return range(first, first + 1), values
+
+
+def _project(self, hidden: torch.Tensor):
+    """The module's in-projections on the shard: q, k (b, s/sp, nk, dk), v and z (b, s/sp, nv, dv), b and a
+    (b, s/sp, nv), in transformers' channel order (that of the conv weight)."""
+    batch, length, _ = hidden.shape
+    if self._sp_layout == "qkvz, ba":
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        return q, k, v, z, b, a
+    q, k, v = torch.split(self.in_proj_qkv(hidden), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    heads = (batch, length, -1)
+    return (q.reshape(*heads, self.head_k_dim), k.reshape(*heads, self.head_k_dim),
+            v.reshape(*heads, self.head_v_dim), self.in_proj_z(hidden).reshape(*heads, self.head_v_dim),
+            self.in_proj_b(hidden), self.in_proj_a(hidden))
+
+
+def heads_to_sequence(parts: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """(b, s/sp, h_i, d_i) each -> (b, s, h_i/sp, d_i) each, in one all-to-all: every part's block of heads for
+    rank j travels in one message to rank j (one collective rather than one per tensor)."""
+    sp = group_size(group)
+    batch, length = parts[0].shape[:2]
+    blocks = [p.reshape(batch, length, sp, -1) for p in parts]  # (b, s/sp, sp, h_i/sp * d_i)
+    gathered = all_to_all(torch.cat(blocks, dim=-1), group, scatter_dim=2, gather_dim=1)  # (b, s, 1, W)
+    pieces = gathered.split([b.shape[-1] for b in blocks], dim=-1)
+    return [x.reshape(batch, length * sp, p.shape[2] // sp, p.shape[3]) for x, p in zip(pieces, parts)]
+
+
+def _conv_channels(self, keys: range, values: range) -> torch.Tensor:
+    """Indices of this rank's channels in the conv over [q | k | v]: its key heads' q and k, its value heads' v."""
+    dk, dv = self.head_k_dim, self.head_v_dim
+    q = torch.arange(keys.start * dk, keys.stop * dk)
+    v = torch.arange(values.start * dv, values.stop * dv) + 2 * self.key_dim
+    return torch.cat([q, q + self.key_dim, v]).to(self.conv1d.weight.device)
+
+
+def _local_mixer(self, q, k, v, g, beta, keys: range, values: range) -> torch.Tensor:
+    """The causal conv and the gated delta rule over the whole sequence for this rank's heads, with the kernels of
+    the module's modeling file (its torch fallback, or the hub kernel transformers chose). q, k (b, s, nk_r, dk),
+    v (b, s, nv_r, dv), g and beta (b, s, nv_r) -> (b, s, nv_r, dv)."""
+    kernels = sys.modules[type(self).__module__]
+    channels = _conv_channels(self, keys, values)
+    weight = self.conv1d.weight.squeeze(1)[channels]  # (C_r, K): this rank's channels, its gradient's too
+    bias = None if self.conv1d.bias is None else self.conv1d.bias[channels]
+    batch, length = q.shape[:2]
+    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # (b, C_r, s)
+    mixed = kernels.causal_conv1d_fn(mixed, weight, bias, activation=self.activation).transpose(1, 2)
+    q, k, v = torch.split(mixed, [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
+    q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
+    out, _ = kernels.torch_chunk_gated_delta_rule(q, k, v.reshape(batch, length, -1, self.head_v_dim), g=g,
+                                                  beta=beta, initial_state=None, output_final_state=False,
+                                                  use_qk_l2norm_in_kernel=True)
+    return out
+
+
+def sp_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+    """The DeltaNet mixer's forward under Ulysses (the module docstring); hidden (b, s/sp, H) -> (b, s/sp, H)."""
+    if cache is not None or kwargs.get("cache_params") is not None:
+        raise NotImplementedError("the sequence-parallel DeltaNet mixer trains: no cache (use_cache=False)")
+    if attention_mask is not None:
+        raise NotImplementedError("padding masks are not supported: pad at the end with labels -100 instead")
+    packed = [name for name in PACKING_KWARGS if kwargs.get(name) is not None]
+    if packed:
+        raise NotImplementedError(f"packed documents ({', '.join(packed)}) are not built for DeltaNet layers")
+    group, sp = self._sp_group, group_size(self._sp_group)
+    q, k, v, z, b, a = _project(self, hidden_states)  # (b, s/sp, heads, d)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (b, s/sp, nv), fp32 as transformers
+    if self.num_k_heads < sp:  # nk divides sp (support.py): each key head to sp/nk consecutive ranks
+        q, k = (x.repeat_interleave(sp // self.num_k_heads, dim=2) for x in (q, k))
+    # (b, s/sp, heads, d) -> (b, s, heads/sp, d); g and beta in fp32 (beta's cast there and back is exact)
+    q, k, v = heads_to_sequence([q, k, v], group)
+    g, beta = heads_to_sequence([torch.stack([g, beta.float()], dim=-1)], group)[0].unbind(-1)
+    keys, values = rank_heads(self.num_k_heads, self.num_v_heads, sp, self._sp_rank)
+    out = _local_mixer(self, q, k, v, g, beta.to(b.dtype), keys, values)  # (b, s, nv/sp, dv)
+    out = all_to_all(out, group, scatter_dim=1, gather_dim=2)  # (b, s/sp, nv, dv)
+    batch, length = hidden_states.shape[:2]
+    out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(out.reshape(batch, length, -1))
+
+
+def is_deltanet(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("GatedDeltaNet")
