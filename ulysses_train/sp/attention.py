@@ -134,8 +134,8 @@ class UlyssesAttention:
 
     def _my_heads(self, per_head: torch.Tensor) -> torch.Tensor:
         """This rank's block of a per-query-head tensor (the sinks), as the all-to-all splits the heads."""
-        local = per_head.shape[0] // self.sp
-        return per_head[self._rank() * local:(self._rank() + 1) * local]
+        local, rank = per_head.shape[0] // self.sp, self._rank()
+        return per_head[rank * local:(rank + 1) * local]
 
     def _global_temperature(self, module, query: torch.Tensor) -> torch.Tensor:
         """Llama 4 scales a NoPE layer's q by a function of the row position, which it reads as the local index

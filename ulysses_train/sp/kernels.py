@@ -59,7 +59,7 @@ def _fa2_pattern(pattern: Pattern) -> dict:
     """FA2's window and softcap arguments; it has no sinks (the support check sends sink models elsewhere)."""
     if pattern.sinks is not None:
         raise ValueError("FA2 has no attention sinks: use --attn_kernel flash_attn_4 or sdpa")
-    window = (-1, -1) if pattern.window is None else (pattern.window - 1, 0)
+    window = (-1, -1) if pattern.window is None else (pattern.window_left, 0)
     return {"window_size": window, "softcap": pattern.softcap or 0.0}
 
 
@@ -81,7 +81,7 @@ def _flash_attn_4(q, k, v, scale: float, docs=None, pattern: Pattern = FULL) -> 
     """FlashAttention-4 (package flash-attn-4) through our registered ops, so that its outputs can be kept; packed
     documents in one varlen call. Its window, softcap and learnable sinks have backward kernels on Hopper."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, s, h, d) views, GQA native
-    extra = (-1 if pattern.window is None else pattern.window - 1, pattern.softcap or 0.0,
+    extra = (pattern.window_left, pattern.softcap or 0.0,
              None if pattern.sinks is None else pattern.sinks.float().contiguous())
     if docs is None:
         return fa4_attention(q, k, v, scale, *extra)

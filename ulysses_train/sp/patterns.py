@@ -38,6 +38,11 @@ class Pattern:
     sinks: Optional[Tensor] = None  # (heads on this rank,): the sink logit of each
 
     @property
+    def window_left(self) -> int:
+        """The window as FlashAttention takes it: keys before the query (-1: no window)."""
+        return -1 if self.window is None else self.window - 1
+
+    @property
     def plain(self) -> bool:
         return self.window is None and self.softcap is None and self.sinks is None
 
