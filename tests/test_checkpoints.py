@@ -12,14 +12,15 @@ import time
 import pytest
 import torch
 
-from tests.test_train_e2e import ROOT, TRAIN, _env, _port, deepspeed_launcher, metrics, torchrun_launcher
+from tests.trainer_runs import (ROOT, TRAIN, child_env, deepspeed_launcher, launch_port, metrics,
+                                torchrun_launcher)
 
 ARGS = ["--seq_len", "128", "--steps", "6", "--save_steps", "3", "--lr", "3e-3"]
 HANG_GUARD_S = 600
 
 
 def launch(out_dir, extra=(), fault=None, expect_rc=0):
-    env = _env() | ({"ULYSSES_TRAIN_FAULT": fault} if fault else {})
+    env = child_env() | ({"ULYSSES_TRAIN_FAULT": fault} if fault else {})
     proc = subprocess.run(deepspeed_launcher(2) + [TRAIN] + ARGS + ["--output_dir", str(out_dir)] + list(extra),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     if expect_rc == 0:
@@ -123,10 +124,10 @@ def test_nan_loss_stops_naming_the_step_or_is_skipped(tmp_path):
 def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
     """As under SLURM: every task gets SIGTERM; the run saves, exits 0, and `--resume auto` continues. The run
     waits at step 3 until the signal (ULYSSES_TRAIN_FAULT=hold_at:3), so where it stops does not depend on speed."""
-    port, out = str(_port()), tmp_path / "run"
+    port, out = str(launch_port()), tmp_path / "run"
     args = [sys.executable, TRAIN, "--seq_len", "128", "--steps", "200", "--lr", "3e-3", "--output_dir", str(out)]
     procs = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env() | dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                              env=child_env() | dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                                 ULYSSES_TRAIN_FAULT="hold_at:3")) for r in range(2)]
     metrics_file = out / "metrics.jsonl"
@@ -143,9 +144,9 @@ def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
     base = ["--seq_len", "128", "--steps", str(total), "--lr", "3e-3"]
     subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(out), "--resume", "auto",
                                                           "--resume_override", "steps"],
-                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
+                   cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
     subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(tmp_path / "straight")],
-                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
+                   cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
     # the first run was launched for 200 steps, so its lr schedule differs: compare the data, not the losses
     resumed = metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, total + 1))
@@ -169,7 +170,7 @@ def test_export_round_trip_gives_the_training_time_logits(tmp_path):
                                                   "--model", str(folder), "--steps", "2", "--save_steps", "2",
                                                   "--seq_len", "64", "--lr", "3e-3", "--output_dir",
                                                   str(tmp_path / "run")],
-                          cwd=ROOT, env=_env() | {"LOGITS_OUT": str(logits_file)}, capture_output=True, text=True,
+                          cwd=ROOT, env=child_env() | {"LOGITS_OUT": str(logits_file)}, capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported = export(str(tmp_path / "run"), str(tmp_path / "hf"))

@@ -8,7 +8,7 @@ import pytest
 from tests.distributed import run_distributed
 from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
 from tests.test_sft_train import _chats
-from tests.test_train_e2e import deepspeed_launcher, metrics, run
+from tests.trainer_runs import deepspeed_launcher, metrics, run
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_train_e2e import ROOT, _env, torchrun_launcher
+from tests.trainer_runs import ROOT, child_env, torchrun_launcher
 
 SEQ, BUCKET = 512, 64
 
@@ -35,7 +35,7 @@ def _run(launcher, setup, out):
             "--tokenizer", "bytes", "--seq_len", str(SEQ), "--num_samples", "2", "--bucket", str(BUCKET),
             "--out", str(out), "--data_cache_dir", str(setup / "cache")]
     cmd = launcher + args if launcher[0] != sys.executable else [sys.executable] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "positions.csv") as f:
         rows = list(csv.DictReader(f))
@@ -109,7 +109,7 @@ def test_conversations_count_only_trained_tokens(setup):
             "--tokenizer", str(setup / "chat_tokenizer"), "--chat_template", str(setup / "chatml.jinja"),
             "--seq_len", str(seq), "--num_samples", str(n), "--bucket", "1", "--out", str(setup / "chat_out"),
             "--data_cache_dir", str(setup / "cache")]
-    proc = subprocess.run(torchrun_launcher(2) + ["--no-python", sys.executable] + args, cwd=ROOT, env=_env(),
+    proc = subprocess.run(torchrun_launcher(2) + ["--no-python", sys.executable] + args, cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(setup / "chat_out" / "positions.csv") as f:

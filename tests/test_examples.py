@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.test_train_e2e import ROOT
+from tests.trainer_runs import ROOT
 
 
 def _rows(path) -> list[dict]:

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from tests.test_train_e2e import ROOT, TRAIN, _env, _port, deepspeed_launcher
+from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, deepspeed_launcher
 
 HANG_GUARD_S = 600
 
 
 def run_ranks(world: int, args: list) -> list[subprocess.CompletedProcess]:
-    port = str(_port())
+    port = str(launch_port())
     procs = []
     for rank in range(world):
-        env = _env() | dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+        env = child_env() | dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, TRAIN, "--seq_len", "64", "--steps", "1"] + args, cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -81,7 +81,7 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
 
 
 def test_error_through_deepspeed_launcher():
-    proc = subprocess.run(deepspeed_launcher(2) + [TRAIN, "--sp_size", "3"], cwd=ROOT, env=_env(),
+    proc = subprocess.run(deepspeed_launcher(2) + [TRAIN, "--sp_size", "3"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode != 0
     assert "--sp_size 3 does not divide the world size 2" in proc.stdout + proc.stderr

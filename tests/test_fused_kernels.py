@@ -210,7 +210,7 @@ def test_trainer_with_fused_kernels_on_matches_off(tmp_path):
     the log names what was patched, and each step's loss and gradient norm agree."""
     import sys
 
-    from tests.test_train_e2e import metrics, run
+    from tests.trainer_runs import metrics, run
 
     runs = {}
     for mode in ("on", "off"):

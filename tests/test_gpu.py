@@ -228,7 +228,7 @@ def test_pinned_pool_unregisters_its_memory_when_released():
 def _train_on_cuda(out, *flags):
     import sys
 
-    from tests.test_train_e2e import metrics, run
+    from tests.trainer_runs import metrics, run
 
     # 4 steps at lr 3e-3 (the e2e tests' common flags), 4096 tokens, bf16 optimizer states
     proc = run([sys.executable], ["--seq_len", "4096", "--ds_config", "ds_configs/zero3_bf16_states.json", *flags],
@@ -342,7 +342,7 @@ def test_first_step_in_bf16_is_as_exact_as_transformers(tmp_path, ds_config):
     import json
     import sys
 
-    from tests.test_train_e2e import run
+    from tests.trainer_runs import run
 
     proc = run([sys.executable], ["--verify", "--model_config", "qwen3-4b", "--num_layers", "4", "--seq_len", "8192",
                                   "--verify_seq_len", "8192",

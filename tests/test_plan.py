@@ -45,7 +45,7 @@ def test_components_by_hand():
     plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False, gqa_native=False))["gpu"]["layer working set"]
     lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True, gqa_native=False))["gpu"]["layer working set"]
     assert plain_norms - lean_norms == 4 * t * (64 + 64 + 32)  # fp32 copies: input norm, q norm, k norm
-    from ulysses_train.tools.plan import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA, FUSED_ROTARY_SAVING
+    from ulysses_train.levers.memory import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA, FUSED_ROTARY_SAVING
 
     wide_attention = dict(g, inter=8)  # so that attention, not the MLP, is the larger part of the layer
     expanded = estimate(wide_attention, 1024, 4, 2, Levers(gqa_native=False))["gpu"]["layer working set"]
@@ -67,7 +67,7 @@ def test_loss_term_of_each_kernel_by_hand():
     """Ours: a --loss_chunk_size chunk of fp32 logits and their bf16 gradient. Liger's (0.8.5): rows cut into
     ceil(V / H) parts, rounded up to a power of two, one bf16 chunk of logits, and at the end its fp32 head gradient
     beside the bf16 cast; both with the hidden states and their gradient and the fp32 head gradient."""
-    from ulysses_train.tools.plan import liger_chunk_rows
+    from ulysses_train.levers.memory import liger_chunk_rows
 
     g = geometry(tiny_config("qwen3"))  # hidden 64, vocab 96: 2 parts
     t = 512
@@ -232,7 +232,7 @@ def test_bad_settings_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
 def test_ring_buffers_and_traffic_by_hand():
     """With a ring the all-to-all spans the Ulysses group only; the ring adds its K/V blocks and fp32 dK/dV
     accumulators (in flight and in hand) and dq's accumulator, and sends K/V and dK/dV blocks around."""
-    from ulysses_train.tools.plan import communication
+    from ulysses_train.levers.memory import communication
 
     g = geometry(tiny_config("qwen3"))  # heads 8 x head_dim 8, kv 4, 2 layers
     t, ulysses, ring = 128, 2, 4  # 1024 tokens over sp 8 = Ulysses 2 x ring 4
@@ -271,13 +271,13 @@ def test_planner_proposes_a_ring_where_heads_forbid_ulysses(tmp_path, capsys):
 @pytest.mark.parametrize("lean, tiled", [(True, False), (False, False), (True, True)])
 def test_uncheckpointed_layer_bytes_match_cpu_allocations(lean, tiled):
     """What a layer that is not checkpointed (`--checkpoint_layers`) leaves alive for its backward, counted at every
-    allocation on CPU (fp32, SDPA), equals tools/layer_activations.py's count, with and without the lean norms and
+    allocation on CPU (fp32, SDPA), equals levers/layer_activations.py's count, with and without the lean norms and
     the tiled MLP: the planner's memory for the layers it does not checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.model.surgery import enable_tiled_mlp, install_lean_norms
     from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.tools.layer_activations import kept_layer_bytes
+    from ulysses_train.levers.layer_activations import kept_layer_bytes
 
     config = tiny_config("qwen3")
     register_ulysses_attention(None, "sdpa")
@@ -300,7 +300,7 @@ def test_uncheckpointed_gemma_layer_bytes_match_cpu_allocations(tiled):
 
     from ulysses_train.model.surgery import enable_tiled_mlp
     from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.tools.layer_activations import kept_layer_bytes
+    from ulysses_train.levers.layer_activations import kept_layer_bytes
 
     config = AutoConfig.for_model("gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
@@ -327,8 +327,8 @@ def test_deltanet_layers_keep_no_attention_outputs_and_send_nothing():
     """Qwen3.5's DeltaNet layers: only its attention layers keep kernel outputs (`--attn_recompute never`) and take
     part in the all-to-all; an uncheckpointed DeltaNet layer keeps its own count; its recomputed mixer is a
     candidate for the layer working set."""
-    from ulysses_train.tools.layer_activations import kept_layer_bytes
-    from ulysses_train.tools.plan import communication, deltanet_bytes
+    from ulysses_train.levers.layer_activations import kept_layer_bytes
+    from ulysses_train.levers.memory import communication, deltanet_bytes
 
     g = geometry(qwen35_config(8))  # layers 3 and 7 attend
     t, b = 1024, 2
@@ -350,7 +350,7 @@ def test_deltanet_layers_keep_no_attention_outputs_and_send_nothing():
 def test_partial_checkpointing_by_hand():
     """`--checkpoint_layers 1` of 2: half the checkpoints and kept outputs, and one layer's activations on the GPU
     with the transient on top of them; 0: none checkpointed."""
-    from ulysses_train.tools.layer_activations import kept_layer_bytes
+    from ulysses_train.levers.layer_activations import kept_layer_bytes
 
     g = geometry(tiny_config("qwen3"))
     full = estimate(g, 1024, 1, 1, Levers())
@@ -372,7 +372,7 @@ def test_uncheckpointed_layers_peak_at_the_loss_or_their_own_backward_not_under_
     """With layers left uncheckpointed the peak is their activations plus the larger of the loss and their own
     backward's gradients (they are freed before any recompute starts), or the layer working set of a checkpointed
     layer's recompute, whichever is larger; by hand on a tiny config (H 64, A 64, KV' 32 of 4 heads, I 128)."""
-    from ulysses_train.tools.layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
+    from ulysses_train.levers.layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
 
     g, t, b = geometry(tiny_config("qwen3")), 1024, 2
     # the gradients of the layer's hidden states (2 H) and the larger of attention's (dq, dk, dv: A + 2 KV' in bf16

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from tests.test_train_e2e import ROOT, _env, _port
+from tests.trainer_runs import ROOT, child_env, launch_port
 
 # run after the snippet: its rank's gloo threads (pt_gloo_runloop, gloo_tcp_loop) still alive. A group that outlives
 # destroy_process_group() goes into interpreter exit with them, where rank 1 aborted about one run in two
@@ -30,7 +30,7 @@ def test_readme_snippet_runs_and_matches_one_process(tmp_path):
     losses = {}
     for n in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-                              "--master_port", str(_port()), str(script)], cwd=ROOT, env=_env(),
+                              "--master_port", str(launch_port()), str(script)], cwd=ROOT, env=child_env(),
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         losses[n] = sorted(set(re.findall(r"loss (\d+\.\d+)", out.stdout)))

@@ -11,17 +11,17 @@ import subprocess
 import sys
 import time
 
-from tests.test_train_e2e import ROOT, TRAIN, _env, _port, deepspeed_launcher
+from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, deepspeed_launcher
 
 HANG_GUARD_S = 600
 COMMON = ["--seq_len", "64", "--lr", "3e-3"]
 
 
 def start_ranks(world: int, args: list, env: dict = None) -> list[subprocess.Popen]:
-    port = str(_port())
+    port = str(launch_port())
     return [subprocess.Popen([sys.executable, TRAIN] + COMMON + args, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             env=_env() | (env or {}) | dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                             env=child_env() | (env or {}) | dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
             for r in range(world)]
 
@@ -47,13 +47,13 @@ def test_one_run_per_output_folder(tmp_path):
     holder = RunLock(str(out))
     holder.acquire()  # this test process plays the live run
     proc = subprocess.run([sys.executable, TRAIN, "--steps", "1", "--output_dir", str(out)] + COMMON, cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
+                          env=child_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"is in use by another run (pid {os.getpid()} on {socket.gethostname()}" in proc.stderr
     assert "Traceback" not in proc.stderr and not (out / "metrics.jsonl").exists()
     os.close(holder.fd)  # the holder dies without cleaning up: its holder file stays, the kernel drops the lock
     proc = subprocess.run([sys.executable, TRAIN, "--steps", "1", "--output_dir", str(out)] + COMMON, cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
+                          env=child_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"warning: took over {out / '.lock'} from a run that did not end cleanly (pid {os.getpid()}" in proc.stdout
 
@@ -118,7 +118,7 @@ def test_killing_the_deepspeed_command_stops_and_saves(tmp_path):
     orphaned; the ranks notice, save after the current step and exit 0."""
     proc = subprocess.Popen(deepspeed_launcher(2) + [TRAIN, "--steps", "100000", "--dist_timeout", "20",
                                                     "--output_dir", str(tmp_path)] + COMMON,
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     wait_for_steps(tmp_path, 2, [proc])
     proc.send_signal(signal.SIGTERM)  # the deepspeed command only
@@ -131,7 +131,7 @@ def test_a_busy_port_names_the_flag(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        env = _env() | dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+        env = child_env() | dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(busy.getsockname()[1]))
         proc = subprocess.run([sys.executable, TRAIN, "--steps", "1", "--output_dir", str(tmp_path)] + COMMON,
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.test_train_e2e import ROOT, TRAIN, _env, _port, metrics
+from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, metrics
 from ulysses_train.train.trainer import warmup_cosine
 
 BASE = ["--seq_len", "256", "--lr", "3e-3"]
@@ -44,9 +44,9 @@ def launch(out, args):
     """Two ranks as plain processes with the launcher's variables (as torchrun or srun set them; a launcher's own
     start-up would double the time of the launches that stop before the model is built). Rank 0's output, and
     every rank's exit code."""
-    port = str(_port())
+    port = str(launch_port())
     procs = [subprocess.Popen([sys.executable, TRAIN] + BASE + ["--output_dir", str(out)] + args, cwd=ROOT,
-                              env=_env() | dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                              env=child_env() | dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     (out0, err0), (_, err1) = [p.communicate(timeout=HANG_GUARD_S) for p in procs]

@@ -329,7 +329,7 @@ def test_28_heads_train_at_sp8_as_4x2_and_hybrid_attention_on_8_ranks(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_train_e2e import ROOT, _env, _port, assert_same_curve, metrics
+    from tests.trainer_runs import ROOT, child_env, launch_port, assert_same_curve, metrics
 
     books = tmp_path / "books"
     books.mkdir()
@@ -339,13 +339,13 @@ def test_28_heads_train_at_sp8_as_4x2_and_hybrid_attention_on_8_ranks(tmp_path):
             "--packing", "--seq_len", "128", "--steps", "4", "--lr", "3e-3", "--data_cache_dir", str(tmp_path / "c"),
             "--attn_recompute", "never", "--tiled_mlp", "on", "--mlp_tile_tokens", "8", "--fused_kernels", "off"]
     single = subprocess.run([sys.executable, "launch/train.py", *args, "--output_dir", str(tmp_path / "single")],
-                            cwd=ROOT, env=_env(), capture_output=True, text=True)
+                            cwd=ROOT, env=child_env(), capture_output=True, text=True)
     assert single.returncode == 0, single.stderr[-3000:]
     (tmp_path / "cases").mkdir()
     ring = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8", "--master_port",
-                           str(_port()), "tests/helpers/train_then_ring_cases.py", *args, "--sp_size", "8",
+                           str(launch_port()), "tests/helpers/train_then_ring_cases.py", *args, "--sp_size", "8",
                            "--ring_size", "2", "--output_dir", str(tmp_path / "ring")], cwd=ROOT,
-                          env=dict(_env(), RING_CASES_OUT=str(tmp_path / "cases")), capture_output=True, text=True)
+                          env=dict(child_env(), RING_CASES_OUT=str(tmp_path / "cases")), capture_output=True, text=True)
     assert ring.returncode == 0, f"{ring.stdout[-3000:]}\n{ring.stderr[-5000:]}"
     assert "world 8 = dp 1 x sp 8 (Ulysses 4 x ring 2)" in ring.stdout
     assert "attention kept: True" in ring.stdout and "tiled MLP: True" in ring.stdout

@@ -11,7 +11,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
-from tests.test_train_e2e import deepspeed_launcher, metrics, run
+from tests.trainer_runs import deepspeed_launcher, metrics, run
 from tests.test_verify import _check
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]

@@ -152,12 +152,12 @@ def test_a_deltanet_model_whose_heads_sp_cannot_cut_stops_before_the_model_is_bu
     qwen35 = any_tiny_config("qwen3_5_text")
     qwen35.linear_num_key_heads, qwen35.linear_num_value_heads = 3, 6
     config.write_text(qwen35.to_json_string())
-    from tests.test_train_e2e import deepspeed_launcher, _env
+    from tests.trainer_runs import deepspeed_launcher, child_env
 
     proc = subprocess.run(deepspeed_launcher(2) + ["launch/train.py", "--ds_config", "ds_configs/zero3.json",
                                                    "--model_config", str(config), "--seq_len", "64", "--steps", "1",
                                                    "--output_dir", str(tmp_path / "out")],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--sp_size 2 cannot cut the Gated DeltaNet layers' 3 linear key heads and 6 linear value heads" in \
         proc.stderr

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from tests.test_train_e2e import ROOT, TRAIN, _env, metrics
+from tests.trainer_runs import ROOT, TRAIN, child_env, metrics
 from ulysses_train.errors import ConfigError
 from ulysses_train.train.config import parse_args
 from ulysses_train.train.tracking import parse_report_to
@@ -24,7 +24,7 @@ def _train(args, tmp_path, env=None):
     import subprocess
 
     proc = subprocess.run([sys.executable, TRAIN] + args, cwd=ROOT, capture_output=True, text=True,
-                          env=_env() | {"WANDB_SILENT": "true"} | (env or {}), timeout=900)
+                          env=child_env() | {"WANDB_SILENT": "true"} | (env or {}), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 

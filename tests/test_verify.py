@@ -13,7 +13,7 @@ import os
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_train_e2e import ROOT, deepspeed_launcher, run
+from tests.trainer_runs import ROOT, deepspeed_launcher, run
 
 DS = os.path.join(ROOT, "ds_configs")
 

@@ -194,7 +194,7 @@ def with_checkpoint_layers(levers: Levers, n: int, layers: int) -> Levers:
 def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, device: DeviceInfo,
                        fits: Optional[Callable[[Levers], bool]]) -> Levers:
     """`--checkpoint_layers`: a number, all, or auto: the fewest checkpointed layers with which `fits` (the planner's
-    memory estimate on this device: tools/plan.py) says the run fits. Fewer checkpointed layers is always faster
+    memory estimate on this device: levers/memory.py) says the run fits. Fewer checkpointed layers is always faster
     (each one saves a recompute), so the fewest that fit is also the fastest."""
     mode = request.checkpoint_layers
     if not levers.checkpointing or mode == "all":

@@ -24,7 +24,7 @@ from ..model.build import attention_heads, load_model_config
 from ..sp.support import check_support
 from ..model.geometry import geometry
 from ..sp import dims
-from .plan import estimate, fits, fits_on
+from ..levers.memory import estimate, fits, fits_on
 from .time_model import Constants, Run, step_time
 
 TOP = 5  # plans --fastest prints

@@ -24,6 +24,7 @@ from ..data.sources import SyntheticSource, build_batch, global_sample_index, sa
 from ..errors import ConfigError
 from ..levers.loss import CausalLMWithSPLoss, sp_backward_scale
 from ..levers.master_weights import share_master_weights
+from ..levers.memory import fits_on
 from ..levers.offload import HostOffload
 from ..levers.policy import DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..levers.rope import configure_rope
@@ -83,8 +84,6 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: to
     g, choices = geometry(model_config), lever_choices(ds)
     fits = None
     if cfg.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
-        from ..tools.plan import fits_on
-
         world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
         fits = fits_on(g, cfg.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
                        choices.get("zero_stage", 3), micro, dtype.itemsize)

@@ -1,0 +1,49 @@
+"""docs/architecture.md's rule, checked on the source: imports point down (sp < levers < model < data < train < tools),
+including the imports made inside functions, so no package imports one above it and there is no import cycle
+between packages."""
+
+import ast
+import os
+
+from tests.trainer_runs import ROOT
+
+PACKAGE = os.path.join(ROOT, "ulysses_train")
+LAYERS = {"errors": 0, "paths": 0, "sp": 1, "levers": 2, "model": 3, "data": 4, "train": 5, "tools": 6}
+
+
+def _module(path: str) -> str:
+    relative = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return relative.removesuffix(".__init__")
+
+
+def _imports(path: str):
+    """Every ulysses_train module (or name in one) that the file at `path` imports, anywhere in it."""
+    module = _module(path)
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            yield from (f"{target}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def _layer(module: str):
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 2 and parts[0] == "ulysses_train" else None
+
+
+def test_imports_point_down():
+    upward = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            source = _module(path)
+            for target in _imports(path):
+                if _layer(source) is not None and _layer(target) is not None and _layer(target) > _layer(source):
+                    upward.append(f"{source} -> {target}")
+    assert not upward, "imports pointing up (docs/architecture.md):\n" + "\n".join(sorted(upward))
+    assert _layer("ulysses_train.train.trainer") == 5  # the rule is read from the real module names

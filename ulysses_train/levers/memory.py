@@ -1,0 +1,193 @@
+"""The memory estimate of one run, per GPU and per host: what the planner prints (tools/plan.py) and what
+`--checkpoint_layers auto` asks through the lever policy (levers/policy.py), so that the trainer and the planner make
+the same choice from the same numbers.
+
+Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
+the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
+recomputed (attention, MLP tiled or not), the loss, the all-to-all buffers and, with a ring, the K/V blocks in flight
+and their fp32 gradient accumulators; and what each rank sends per step (all-to-all and ring point-to-point). The
+formulas are in docs/memory.md with a comparison against the peaks measured on the H200."""
+
+from __future__ import annotations
+
+import math
+
+from .layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
+from .policy import GiB, Levers, checkpoint_bytes, kept_attention_bytes
+
+CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
+# The recomputed layer's attention block, at its peak in the backward, holds about this many (tokens x heads*head_dim)
+# bf16 tensors, plus the fp32 copies that transformers' RMSNorms keep of their inputs (the layer's input norm and
+# Qwen3's q and k norms; none with --lean_norm). Fitted (one number) on ten H200 peaks measured with transformers'
+# norms, where the whole block came out at 19.6-21.5 such tensors for 64k-524k tokens per rank (20 for Qwen3-4B,
+# largest error 2.2%), of which the fp32 norm copies are 3.75. Counted by hand the rest reaches ~16: q, k and v after
+# projection, the norms' bf16 outputs, rotary temporaries, k and v expanded to all heads, the output and its layout
+# copy, dq, expanded dk and dv, cuDNN's fp32 dq accumulator (2).
+ATTENTION_TENSORS = 16.25
+# The same block with GQA handed to the kernel as is (`enable_gqa` in bf16/fp16, and FA4), instead of k and v
+# copied to every query head: measured on the H200 at 8.5 units (131k tokens, SP=1) and 6.5
+# (1M tokens, SP=2); 7.5 is used (docs/memory.md). More than the copies themselves (k, v, dk, dv at full width,
+# 4 units): the expanded path also held cuDNN's full-width gradient buffers. Models without GQA keep 16.25
+# (not measured without the copies).
+ATTENTION_TENSORS_GQA = 7.5
+# Our fused rotary (--fused_kernels) writes q and k rotated in one pass, without transformers' temporaries (q * cos,
+# rotate_half's negated half and concatenation, the product with sin, and their gradients in the backward). Measured
+# on the H200 at 131k tokens, where the attention block sets the peak: 44.99 -> 43.70 GiB with the kernels (FA4,
+# tiled MLP), 1.29 units; 1.25 is used. The fused SwiGLU saves gate and
+# up only, not silu(gate): one (tokens x intermediate) tensor less, 42.25 -> 41.06 GiB at 64k (MLP-bound), exactly it.
+FUSED_ROTARY_SAVING = 1.25
+# The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its peak in the backward, in tokens x (2 key + value)
+# and tokens x value tensors: the fused projection's output, the convolution's and its SiLU, and their gradients (6);
+# the gate z, the recurrence's output, its gated norm, and their gradients (6). Counted by hand, not measured: a
+# guess until a GPU run measures it. Beside them the backward recomputes each chunk's state (`deltanet_state_bytes`).
+LINEAR_ATTENTION_TENSORS = 6
+
+
+def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """The rows of one chunk of Liger-Kernel's fused linear cross-entropy (0.8.5): the tokens split into
+    ceil(vocab / hidden) parts, rounded up to a power of two, so one chunk's logits are about the hidden states'
+    size (up to twice it)."""
+    parts = -(-vocab // hidden)
+    return min(tokens, 1 << max(0, math.ceil(math.log2(-(-tokens // parts)))))
+
+
+def loss_bytes(g: dict, t: int, kernel: str, loss_chunk: int = 4096, b: int = 2) -> int:
+    """The fused loss's peak on one rank of `t` tokens, beyond the model states: the final hidden states and their
+    gradient (2 x t x hidden), the head's gradient summed in fp32, and the logits of one chunk.
+
+    ours: fp32 logits, turned into their gradient in place, plus its copy in the activation dtype, for
+    --loss_chunk_size rows. liger (from Liger-Kernel 0.8.5's algorithm; to be checked against measured peaks):
+    one buffer of logits in the activation dtype, which its kernel overwrites with their gradient, for
+    `liger_chunk_rows` rows; one fp32 loss per token; and at the end the fp32 head gradient cast to the weight's
+    dtype while both exist, which is the larger term when the chunk's logits are smaller than the head."""
+    v, h = g["vocab"], g["hidden"]
+    states = 2 * t * h * b + v * h * 4
+    if kernel == "liger":
+        return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b) + 4 * t
+    return states + loss_chunk * v * (4 + b)
+
+
+def attention_layers(g: dict, layers: range) -> int:
+    """How many of the decoder layers numbered `layers` attend (a Gated DeltaNet layer does not)."""
+    return sum(1 for i in layers if g["attn_spans"][i].attention)
+
+
+def deltanet_bytes(g: dict, t: int, b: int) -> float:
+    """A recomputed Gated DeltaNet layer's mixer at its peak in the backward (LINEAR_ATTENTION_TENSORS), and the
+    state of every chunk of 64 tokens (value heads x key x value dim), recomputed in the backward with its gradient
+    in fp32; 0 for a model without such layers."""
+    d = g["linear_attn"]
+    if not d:
+        return 0
+    tensors = LINEAR_ATTENTION_TENSORS * t * (d["conv_width"] + d["value_width"]) * b
+    states = 2 * 4 * math.ceil(t / 64) * d["value_heads"] * d["key_head_dim"] * d["value_head_dim"]
+    return tensors + states
+
+
+def ring_bytes(g: dict, t: int, sp: int, ring: int, act_bytes: int) -> int:
+    """The ring's buffers of one rank at their peak, in the backward: the K/V block in hand and the next one
+    arriving (model dtype), the dK/dV accumulators of the block in hand, the one being sent and the one arriving
+    (fp32), and dq's fp32 accumulator. A ring rank attends t x ulysses tokens (its pair of chunks) with heads /
+    ulysses query heads and kv / ulysses KV heads (one, replicated, when kv < ulysses)."""
+    if ring == 1:
+        return 0
+    ulysses = sp // ring
+    tokens, kv_heads = t * ulysses, max(g["kv"] // ulysses, 1)
+    kv_block = 2 * tokens * kv_heads * g["head_dim"]  # k and v, elements
+    return 2 * kv_block * act_bytes + 3 * kv_block * 4 + tokens * g["attn_width"] // ulysses * 4
+
+
+def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act_bytes: int = 2) -> dict:
+    """Bytes one rank sends per sequence (one micro-batch) through the all-to-alls and the ring's point-to-point
+    sends, every layer, forward and backward (and the recompute's forward unless attention outputs are kept)."""
+    ulysses, t = sp // ring, math.ceil(seq_len / sp)
+    forwards = 1 if levers.keep_attention or not levers.checkpointing else 2
+    kv_width = max(g["kv_width"], ulysses * g["head_dim"]) if ulysses > 1 else g["kv_width"]
+    # q, k, v in and the output back, leaving (u - 1)/u of each; the backward moves their gradients the same way
+    a2a = 0 if ulysses == 1 else (2 * g["attn_width"] + 2 * kv_width) * t * act_bytes * (ulysses - 1) // ulysses
+    kv_block = 2 * t * ulysses * max(g["kv"] // ulysses, 1) * g["head_dim"]  # elements of a ring rank's k and v
+    # forward: R - 1 K/V blocks on; backward: R - 1 K/V blocks again and R fp32 dK/dV accumulators
+    p2p = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes
+    p2p_backward = 0 if ring == 1 else (ring - 1) * kv_block * act_bytes + ring * kv_block * 4
+    layers = attention_layers(g, range(g["layers"]))  # a DeltaNet layer's all-to-alls are not counted here
+    return {"all-to-all": layers * a2a * (forwards + 1),
+            "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
+
+
+def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
+             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1) -> dict:
+    """Bytes per GPU (and per host, for all local ranks' offloads) of each component; `ring`: --ring_size (sp is
+    then Ulysses sp / ring x ring)."""
+    t = math.ceil(seq_len / sp)  # tokens per rank
+    ulysses = sp // ring
+    n, b = g["params"], act_bytes
+    # ZeRO partitions optimizer states from stage 1, gradients from stage 2, weights at stage 3, over all GPUs
+    w_div, g_div, o_div = (gpus if zero_stage >= k else 1 for k in (3, 2, 1))
+    if levers.offload_optimizer:
+        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
+        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
+        gpu_states, host_states = 2 * n / w_div, 18 * n / o_div
+    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a
+        # master copy 2 unless --share_master_weights makes the model's partition the master
+        optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
+        gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
+    gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
+    n_ckpt = min(levers.checkpointed(g["layers"]), g["layers"])
+    checkpoints = checkpoint_bytes(g, t, b) * n_ckpt / g["layers"]  # checkpointed layers save their inputs
+    # and, with kept outputs, those of their attention kernels (a DeltaNet layer keeps nothing)
+    kept = kept_attention_bytes(g, t, b) * attention_layers(g, range(n_ckpt)) / g["layers"] \
+        if levers.keep_attention else 0
+    # the other layers keep their activations (the last ones: freed by their backward before any recompute starts)
+    unchecked = [g["attn_spans"][i] for i in range(n_ckpt, g["layers"])]
+    whole_layers = sum(kept_layer_bytes(g, t, b, levers, sp, span) for span in unchecked)
+    # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
+    norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
+    units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
+    units -= FUSED_ROTARY_SAVING if levers.fused_kernels else 0
+    attention = units * t * g["attn_width"] * b + norm_copies
+    mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
+    # gate, up, act, product + two gradients; the fused SwiGLU keeps no act
+    mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
+    hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
+    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b))
+    loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
+    a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
+    ring_buffers = ring_bytes(g, t, sp, ring, b)
+    on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
+    on_gpu_kept = 0 if levers.offload_activations else kept  # the offload takes the kept outputs too
+    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
+           "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
+    if ring > 1:
+        gpu["ring buffers"] = ring_buffers
+    if whole_layers:
+        gpu["uncheckpointed layers"] = whole_layers
+    # the loss runs at the end of the forward, the layer working set in the backward: never both at once. The
+    # uncheckpointed layers (the last ones) hold their activations through the loss and their own backward, and
+    # have freed them by the first recompute (measured on the H200 at 64k and 131k: docs/memory.md)
+    transient = max(layer + a2a + ring_buffers, loss)
+    if whole_layers:
+        own_backward = max(uncheckpointed_backward_bytes(g, t, b, levers, sp, tile_tokens, span)
+                           for span in set(unchecked)) + a2a + ring_buffers
+        transient = max(transient, whole_layers + max(loss, own_backward))
+    gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
+    ranks_per_host = min(gpus, 8)
+    host = {"optimizer offload": host_states * ranks_per_host,
+            "offloaded checkpoints": ((checkpoints if levers.offload_activations else 0) + kept - on_gpu_kept)
+            * ranks_per_host}
+    return {"tokens_per_rank": t, "ring_size": ring, "gpu": gpu, "gpu_total": gpu_total, "host": host,
+            "host_total": sum(host.values()) + 4 * GiB * ranks_per_host,
+            "sent_per_sequence": communication(g, seq_len, sp, ring, levers, b)}
+
+
+def fits(est: dict, gpu_mem: float, host_mem: float) -> bool:
+    return est["gpu_total"] <= 0.95 * gpu_mem and est["host_total"] <= host_mem
+
+
+def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
+            micro: int = 1, act_bytes: int = 2):
+    """Whether given levers fit this run on this machine: what `--checkpoint_layers auto` asks (the trainer and the
+    planner pass it to the policy)."""
+    def fits_levers(levers: Levers) -> bool:
+        est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes)
+        return fits(est, gpu_mem, host_mem)
+    return fits_levers
