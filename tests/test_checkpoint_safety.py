@@ -273,7 +273,7 @@ def test_the_plan_says_nothing_to_do_and_refuses_schedule_overrides_under_a_ds_c
 
 
 def test_the_schedule_follows_the_new_settings_from_the_resumed_step():
-    from ulysses_train.train.trainer import warmup_cosine
+    from ulysses_train.train.schedule import warmup_cosine
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([param], lr=3e-3)

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, metrics
-from ulysses_train.train.trainer import warmup_cosine
+from ulysses_train.train.schedule import warmup_cosine
 
 BASE = ["--seq_len", "256", "--lr", "3e-3"]
 HANG_GUARD_S = 600
@@ -121,8 +121,8 @@ def test_rollback_moves_the_newer_line_aside_and_applies_the_new_lr(seq):
     before, after = seq["first_metrics"], seq["rollback_metrics"]
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in after[:2]] == [r["loss"] for r in before[:2]]
-    factor = warmup_cosine(5, 0, 0.1)  # a record's lr is read after the scheduler's step: that of the next step
-    assert [r["lr"] for r in after[2:]] == pytest.approx([1e-3 * factor(s) for s in (3, 4, 5)], rel=1e-9)
+    factor = warmup_cosine(5, 0, 0.1)  # a record's lr is the one its step used: step s is the schedule's s - 1
+    assert [r["lr"] for r in after[2:]] == pytest.approx([1e-3 * factor(s - 1) for s in (3, 4, 5)], rel=1e-9)
 
 
 def test_a_missing_shard_is_named_and_auto_falls_back_to_the_newest_intact_checkpoint(seq):
@@ -136,7 +136,7 @@ def test_a_missing_shard_is_named_and_auto_falls_back_to_the_newest_intact_check
     records = seq["fallback_metrics"]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     factor = warmup_cosine(6, 0, 0.1)  # --steps 6: the schedule of a run launched with it
-    assert [r["lr"] for r in records[4:]] == pytest.approx([1e-3 * factor(s) for s in (5, 6)], rel=1e-9)
+    assert [r["lr"] for r in records[4:]] == pytest.approx([1e-3 * factor(s - 1) for s in (5, 6)], rel=1e-9)
     assert listing(seq["out"]) == (["step_00000004", "step_00000006"], "step_00000006")  # the final save
     assert os.path.isdir(os.path.join(seq["out"], "checkpoints", "abandoned", "rollback_to_step_00000004",
                                       "step_00000005"))  # the damaged one, set aside with the line it ended

@@ -81,7 +81,7 @@ def test_report_to_and_config_file_errors_name_the_flag(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--report_to comet: unknown tracker comet"):
         parse_report_to("comet")
     bad = tmp_path / "bad.yaml"
-    for text, expected in (("seq_lenn: 5\n", "unknown flag 'seq_lenn' (did you mean 'seq_len'?)"),
+    for text, expected in (("seq_lenn: 5\n", "1 unsupported key: seq_lenn (nearest flag: --seq_len)"),
                            ("seq_len: [5\n", "is not valid YAML"),
                            ("- 5\n", "must hold a mapping of flag names to values"),
                            ("seq_len: many\n", "invalid int value: 'many'")):

@@ -1,5 +1,11 @@
 """ulysses-train: long-context fine-tuning of Hugging Face causal LMs with Ulysses sequence parallelism on DeepSpeed.
 
+    from ulysses_train import TrainConfig, train
+    result = train("run.yaml", learning_rate=1e-4)   # in this process (train/api.py); see README: Python API
+
+`ulysses_train.train` is that function; the package of the same name is imported by its modules' full names
+(`from ulysses_train.train.config import ...`).
+
     sp/       sequence parallelism: parallel sizes, process groups, the all-to-all, sharding, the attention wrapper
               and its kernels
     levers/   the memory and speed levers (fused loss, checkpointing and host offload, tiled MLP, lean norms, fused
@@ -16,8 +22,10 @@ from .sp.all_to_all import all_to_all
 from .sp.attention import UlyssesAttention, register_ulysses_attention
 from .sp.groups import SequenceParallelGroups, init_distributed
 from .sp.sharding import shard_sequence
+from .train.api import TrainResult, train
+from .train.config import TrainConfig
 
-__all__ = ["all_to_all", "UlyssesAttention", "register_ulysses_attention", "fused_linear_cross_entropy",
-           "global_token_count", "install_loss_head", "SequenceParallelGroups", "shard_sequence", "init_distributed",
-           "sp_backward_scale"]
+__all__ = ["TrainConfig", "TrainResult", "train", "all_to_all", "UlyssesAttention", "register_ulysses_attention",
+           "fused_linear_cross_entropy", "global_token_count", "install_loss_head", "SequenceParallelGroups",
+           "shard_sequence", "init_distributed", "sp_backward_scale"]
 __version__ = "0.1.0"

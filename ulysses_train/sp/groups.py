@@ -97,6 +97,20 @@ class SequenceParallelGroups:
             if other == rank:
                 self.model_parallel_group = group
 
+    def own_groups(self) -> list:
+        """This rank's groups, each once (the Ulysses group may be the SP group), for a process whose default group
+        outlives the run to destroy them (train/teardown.py); none that is gone already."""
+        groups = []
+        for name in ("_sp_group", "_ulysses_group", "_ring_group", "_dp_group", "_world_group",
+                     "_model_parallel_group"):
+            try:
+                group = getattr(self, name).get()
+            except RuntimeError:  # destroyed
+                continue
+            if group is not None and not any(group is other for other in groups):
+                groups.append(group)
+        return groups
+
     def _new_groups(self, ranks_of, firsts):
         """The group `ranks_of(first)` for each of `firsts` (collective: every rank creates all); returns this
         rank's."""

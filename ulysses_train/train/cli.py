@@ -1,5 +1,5 @@
-"""`launch/train.py`: parse the flags, build the run, train it (or `--verify` it), and exit with a code that says
-how it ended, with one message, once:
+"""`launch/train.py`: parse the flags, run them through the Python API (api.py: build the run, train it or
+`--verify` it, release it), and exit with a code that says how it ended, with one message, once:
 
     0  done (or stopped by SIGTERM / the launcher going away, after saving; or nothing left to do)
     1  --verify outside tolerance
@@ -20,46 +20,15 @@ import os
 import sys
 import traceback
 
-import torch.distributed as dist
-
 from ..errors import CheckpointError, ConfigError
+from .api import run
 from .config import parse_args
 from .faults import Interrupted, NonFiniteError, StopFlag
 from .launcher import exit_now, normalise_launcher_env
-from .loop import train
-from .resume import NothingToDo
-from .trainer import Trainer
 
 # what a rank sees when another rank died or left first: the other rank's own message says why
 PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
                       "NCCL communicator was aborted", "Socket closed", "Connection refused")
-
-
-def _quiet_libraries() -> None:
-    import logging
-    import warnings
-
-    # torch renamed these collectives; DeepSpeed still calls the old names once per bucket, every step
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-
-def _run(cfg, explicit: set[str], rank: int) -> int:
-    trainer = Trainer(cfg, explicit)
-    if cfg.verify:
-        from .verify import verify
-
-        code = verify(trainer)
-    else:
-        history = train(trainer)
-        if rank == 0 and history:
-            print(f"done: {history[-1]['step']} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
-                  f"metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
-        code = 0
-    dist.barrier()  # no rank leaves while another still talks to it
-    if trainer.lock is not None:
-        trainer.lock.release()
-    return code
 
 
 def _peer_failure(error: BaseException) -> bool:
@@ -92,18 +61,13 @@ def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
 
 
 def main(argv=None) -> int:
-    """Runs the trainer; never returns (see the exit codes above)."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    _quiet_libraries()
+    """Runs the trainer (the Python API's `run`); never returns (see the exit codes above)."""
     cfg, explicit = parse_args(argv)
     normalise_launcher_env()
     rank = int(os.environ.get("RANK", 0))
     try:
-        code = _run(cfg, explicit, rank)
-    except NothingToDo as e:  # the checkpoint is already at --steps: every rank knows it, rank 0 says it
-        if rank == 0:
-            print(e, flush=True)
-        code = 0
+        result = run(cfg, explicit)
+        code = 1 if result.verify is not None and not result.verify["passed"] else 0
     except ConfigError as e:
         # every rank hits the same check; one message is enough, every rank exits non-zero
         if rank == 0:

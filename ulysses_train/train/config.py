@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
+import json
 import math
 import os
 import sys
@@ -19,7 +19,10 @@ from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KINDS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
+from . import aliases
 from .ds_config import load_ds_config
+from .metrics import PROGRESS
+from .schedule import LR_SCHEDULES
 
 DTYPES = ("auto", "bf16", "fp32")
 LEAN_NORM = (*AUTO_ON_OFF, "true", "false")  # true and false as when the flag was a switch
@@ -50,9 +53,12 @@ class TrainConfig:
                              "exact, packing kept). A ring lifts the head-count limit (28 heads at --sp_size 8: "
                              "--ring_size 2). auto: the largest Ulysses degree the heads allow.")
     # ---- data ----
-    dataset: Optional[str] = _f(None, "Training text: a hub id (datasets.load_dataset) or a local file/folder of .txt "
+    dataset: Optional[str] = _f(None, "Training data: a hub id (datasets.load_dataset) or a local file/folder of .txt "
                                       "(one file = one document), .jsonl/.json, .parquet, .arrow, or a save_to_disk "
-                                      "folder. Default: generated tokens (the embedded default).")
+                                      "folder. Given several times (or as a YAML list), a mixture: each entry a path "
+                                      "or a JSON object {path, split, weight | samples, data_format, text_column, "
+                                      "messages_field, role_map} (README: Data). Default: generated tokens (the "
+                                      "embedded default).", repeated=True)
     dataset_split: str = _f("train", "Split of --dataset.")
     eval_dataset: Optional[str] = _f(None, "Validation data, in any form --dataset takes (the same format flags "
                                            "apply): its loss, at --seq_len under SP, goes to metrics.jsonl and the "
@@ -75,6 +81,11 @@ class TrainConfig:
                                   "the chat template; prompt_completion: prompt and completion strings or message "
                                   "lists; tokens: input_ids, with optional labels or assistant_masks; text: raw text. "
                                   "auto: from the columns, in that order.", DATA_FORMATS)
+    messages_field: Optional[str] = _f(None, "The column holding each row's message list, for layouts other than "
+                                             "`messages` and ShareGPT's `conversations` (both detected).")
+    role_map: Optional[str] = _f(None, "The data's roles -> the chat template's, as from=to pairs with commas (or a "
+                                       "mapping in YAML), over the defaults human=user, gpt=assistant, "
+                                       "observation=tool, function_call=assistant (a tool call) (README: Data).")
     chat_template: Optional[str] = _f(None, "A Jinja chat template file for messages data, instead of the "
                                             "tokenizer's own. Its {%% generation %%} markers, if any, say what is "
                                             "trained; otherwise assistant turns are found by rendering growing "
@@ -96,15 +107,26 @@ class TrainConfig:
                                          "gradient_accumulation_steps, else 1.")
     seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.")
     # ---- optimisation ----
-    steps: int = _f(30, "Optimizer steps to run (also --max_steps, the Hugging Face name).", aliases=("max_steps",))
+    steps: int = _f(30, "Optimizer steps to run.")
     lr: Optional[float] = _f(None, "Peak learning rate. Default: the DS config's optimizer lr, else 1e-3 for random "
                                    "init and 1e-5 for a pretrained --model.")
     min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
-    warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: 10%% of --steps.")
+    warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: --warmup_ratio, else 10%% of --steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables). Default: the DS config's "
                                               "gradient_clipping, else 1.0.")
     dtype: str = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.", DTYPES)
+    epochs: Optional[float] = _f(None, "Passes over --dataset: --steps becomes ceil(epochs x samples / (micro batch x "
+                                       "grad_accum x data-parallel size)). A --steps given as well wins (as "
+                                       "max_steps does in transformers).")
+    lr_scheduler_type: str = _f("cosine", "The lr after the warmup: cosine or linear decay from --lr to --lr x "
+                                          "--min_lr_ratio at the last step, or constant_with_warmup.", LR_SCHEDULES)
+    warmup_ratio: Optional[float] = _f(None, "Warmup as a fraction of --steps (rounded up), unless --warmup_steps "
+                                             "is given and > 0.")
+    adam_beta1: float = _f(0.9, "AdamW's beta1 (a --ds_config optimizer block's \"auto\" betas take it).")
+    adam_beta2: float = _f(0.95, "AdamW's beta2 (transformers' default is 0.999; 0.95 is the usual choice for "
+                                 "LLM training).")
+    adam_epsilon: float = _f(1e-8, "AdamW's epsilon (a --ds_config optimizer block's \"auto\" eps takes it).")
     # ---- memory levers ----
     loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
                             "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
@@ -182,6 +204,9 @@ class TrainConfig:
     config: Optional[str] = _f(None, "A YAML file whose keys are these flags (without --); the command line "
                                      "overrides it. The resolved settings are written to <output_dir>/config.yaml.")
     log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
+    progress: str = _f("auto", "Rank 0's progress: bar (a progress bar, the step lines above it), lines (the step "
+                               "lines alone: `grep '^step'` finds them in a redirected log), none (neither). auto: "
+                               "bar when stderr is a terminal, else lines.", PROGRESS)
     verify: bool = _f(False, "Check this run against plain transformers instead of training: one step of the run as "
                              "configured (every flag applies) at --verify_seq_len, its loss and every parameter's "
                              "gradient compared with a single-process transformers reference on the same weights "
@@ -209,8 +234,6 @@ class TrainConfig:
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name} must be positive, got {value}")
         ring_size_number(self.ring_size)
-        if self.profile_memory < 0 or self.profile_memory > self.steps:
-            raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
         from .tracking import parse_report_to
 
         parse_report_to(self.report_to, self.tensorboard)  # an unknown tracker or a missing package, named now
@@ -242,9 +265,30 @@ class TrainConfig:
         for name in ("weight_decay", "max_grad_norm"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        self._validate_schedule()
+        if self.epochs is None:  # else the trainer checks once the data has said how many steps they are
+            self.check_steps()
+        load_ds_config(self.ds_config)  # exists, is JSON, and every top-level key is one DeepSpeed reads
+
+    def check_steps(self) -> None:
+        """The checks against --steps (given, or made from --epochs)."""
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError(f"--warmup_steps must be in [0, --steps={self.steps}], got {self.warmup_steps}")
-        load_ds_config(self.ds_config)  # exists, is JSON, and every top-level key is one DeepSpeed reads
+        if self.profile_memory < 0 or self.profile_memory > self.steps:
+            raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
+
+    def _validate_schedule(self) -> None:
+        if self.epochs is not None and not self.epochs > 0:
+            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+        if self.epochs is not None and not self.dataset:
+            raise ConfigError("--epochs needs --dataset (generated tokens never end: give --steps)")
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
+            raise ConfigError(f"--warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_epsilon > 0:
+            raise ConfigError(f"--adam_epsilon must be positive, got {self.adam_epsilon}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -281,8 +325,8 @@ class TrainConfig:
 # belongs here only if that is clearly not so. sp_size is checked apart (the ZeRO shards are per data-parallel rank).
 FREE_SETTINGS = frozenset({
     "output_dir", "save_steps", "save_final", "save_total_limit", "resume", "resume_override",
-    "overwrite_output_dir", "log_every", "tensorboard", "profile_memory", "num_proc", "data_cache_dir", "verify",
-    "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
+    "overwrite_output_dir", "log_every", "progress", "tensorboard", "profile_memory", "num_proc", "data_cache_dir",
+    "verify", "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
     "eval_dataset", "eval_split", "eval_steps", "eval_samples",
     "ring_size",  # the same attention, split another way
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
@@ -312,30 +356,117 @@ def _str2bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="launch/train.py",
-        description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    """The flags' parser; with `raise_errors` (the Python API) a bad flag or value is a ConfigError, not an exit."""
+
+    def __init__(self, *args, raise_errors: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.raise_errors = raise_errors
+
+    def error(self, message: str):
+        if self.raise_errors:
+            raise ConfigError(message)
+        super().error(message)
+
+    def parse_sources(self, sources: list[list[str]]) -> argparse.Namespace:
+        """Each source's words in turn (a config file, then the command line): later ones win, and a repeated flag
+        (--dataset) given by a later source replaces the earlier source's list instead of adding to it."""
+        namespace = argparse.Namespace()
+        for words in sources:
+            for action in self._actions:
+                if isinstance(action, _Repeated):
+                    action.fresh = True
+            namespace = self.parse_args(words, namespace)
+        return namespace
+
+
+class _Repeated(argparse.Action):
+    """A flag that may be given several times (--dataset): one value stays a value, several become a list."""
+
+    fresh = True
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = None if self.fresh else getattr(namespace, self.dest, None)
+        self.fresh = False
+        if before is None:
+            setattr(namespace, self.dest, values)
+        else:
+            setattr(namespace, self.dest, (before if isinstance(before, list) else [before]) + [values])
+
+
+class _Alias(argparse.Action):
+    """A name of the field whose values differ from ours (aliases.py): translated, then set on our flag."""
+
+    def __init__(self, option_strings, dest, alias=None, target=None, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.alias, self.target = alias, target
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            value = self.alias.convert(values)
+            if value is not None:
+                value = self.target.type(value) if self.target.type else value
+        except (ConfigError, ValueError, argparse.ArgumentTypeError) as e:
+            raise argparse.ArgumentError(self, f"{values!r}: {e}") from None
+        if value is not None and self.target.choices and value not in self.target.choices:
+            raise argparse.ArgumentError(self, f"{values!r} gives --{self.target.dest} {value}, not one of "
+                                               f"{', '.join(map(str, self.target.choices))}")
+        if value is not None:
+            setattr(namespace, self.target.dest, value)
+
+
+def dataset_entry(text: str):
+    """One --dataset value: a path or hub id, or a JSON object (a mixture's entry with its own settings)."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        entry = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object ({e}): {text}") from None
+    if not isinstance(entry, dict) or "path" not in entry:
+        raise argparse.ArgumentTypeError(f"a dataset entry needs a \"path\": {text}")
+    return entry
+
+
+def _help(f: dataclasses.Field) -> str:
+    names = [a.name for a in aliases.ALIASES if a.flag == f.name and a.convert is None]
+    also = f" Also --{', --'.join(names)}." if names else ""
+    return f"{f.metadata['help']}{also} (default: {f.default})"
+
+
+def build_parser(raise_errors: bool = False) -> _Parser:
+    """Every flag of TrainConfig, with its aliases (aliases.py). No flag has a default in the parser: what was given
+    is what the namespace holds (parse_config adds the defaults), so a file and the command line can be layered."""
+    parser = _Parser(prog="launch/train.py", raise_errors=raise_errors, argument_default=argparse.SUPPRESS,
+                     description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine.")
+    actions = {}
     for f in dataclasses.fields(TrainConfig):
         kind = f.type if isinstance(f.type, type) else eval(f.type, {"Optional": Optional})  # noqa: S307
         base = getattr(kind, "__args__", (kind,))[0]
-        kw = dict(help=f.metadata["help"], default=f.default, dest=f.name)
+        kw = dict(help=_help(f), dest=f.name)
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
         if base is bool:
             kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
         else:
             kw["type"] = base
-        parser.add_argument(f"--{f.name}", *(f"--{a}" for a in f.metadata.get("aliases", ())), **kw)
+        if f.metadata.get("repeated"):
+            kw.update(action=_Repeated, type=dataset_entry)
+        names = [a.name for a in aliases.ALIASES if a.flag == f.name and a.convert is None]
+        actions[f.name] = parser.add_argument(f"--{f.name}", *(f"--{n}" for n in names), **kw)
+    for alias in (a for a in aliases.ALIASES if a.convert is not None):
+        target = actions[alias.flag]
+        parser.add_argument(f"--{alias.name}", action=_Alias, alias=alias, target=target, dest=f"alias:{alias.name}",
+                            nargs="?", const="true",
+                            metavar="VALUE", help=f"{alias.origin}'s name for --{alias.flag}: {alias.values}.")
     # launchers (deepspeed, older torch.distributed.launch) append --local_rank; the rank comes from the environment
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 
 def write_resolved_config(cfg: TrainConfig) -> str:
-    """Every setting of the run, defaults included, as a file `--config` reads back: `<output_dir>/config.yaml`
-    (checkpoints hold the same in trainer_state.json)."""
+    """Every setting of the run, defaults included, by its canonical name, as a file `--config` reads back:
+    `<output_dir>/config.yaml` (checkpoints hold the same in trainer_state.json)."""
     import yaml
 
     path = os.path.join(cfg.output_dir, "config.yaml")
@@ -345,54 +476,75 @@ def write_resolved_config(cfg: TrainConfig) -> str:
     return path
 
 
-def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """The flags of `--config FILE` as command-line words, to go before the typed ones (so these win): every value
-    passes the same parsing and checks as a typed flag, and counts as given explicitly."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    path = pre.parse_known_args(argv)[0].config
-    if path is None:
-        return []
+def _flag_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def mapping_words(values: dict, where: str) -> list[str]:
+    """A mapping of flags (or their aliases) to values as command-line words, every key checked first (all the
+    unknown ones named at once: aliases.check_keys)."""
+    repeated = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("repeated")}
+    words = []
+    for key, value in aliases.check_keys(values, _flag_names(), where).items():
+        words += aliases.value_words(key, value, repeated=aliases.canonical(key) in repeated)
+    return words
+
+
+def config_file_words(path: str) -> list[str]:
+    """The flags of a YAML file (`--config FILE`) as command-line words: every value passes the same parsing and
+    checks as a typed flag, and counts as given explicitly. A ConfigError for a file that cannot be read, is not
+    a mapping, or has keys that are not flags."""
     import yaml
 
     try:
         with open(path) as f:
             values = yaml.safe_load(f) or {}
     except OSError as e:
-        parser.error(f"--config {path}: {e.strerror}")
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        parser.error(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}")
+        raise ConfigError(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(values, dict):
-        parser.error(f"--config {path} must hold a mapping of flag names to values")
-    known = {o.lstrip("-") for a in parser._actions for o in a.option_strings}
-    words = []
-    for key, value in values.items():
-        name = str(key).replace("-", "_")
-        if name not in known or name == "config":
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            parser.error(f"--config {path}: unknown flag {key!r}" + (f" (did you mean {close[0]!r}?)" if close
-                                                                    else ""))
-        if value is None:
-            continue
-        if isinstance(value, (list, tuple)):
-            value = ",".join(str(v) for v in value)
-        words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return words
+        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
+    return mapping_words(values, f"--config {path}")
+
+
+def _parse(parser: _Parser, sources: list[list[str]]) -> tuple[TrainConfig, set[str]]:
+    given = vars(parser.parse_sources(sources))
+    explicit = {name for name in given if name in _flag_names()}
+    return dataclasses.replace(TrainConfig(), **{name: given[name] for name in explicit}), explicit
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, set[str]]:
-    """Returns the config and the set of flags the user typed explicitly, or set in --config (which must then agree
-    with the DS JSON)."""
+    """The command line (with `--config FILE` read first, so the typed flags win). Returns the config and the set of
+    flags given explicitly, typed or in the file (they must then agree with the DS JSON)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv = config_file_args(parser, argv) + argv
-    ns = parser.parse_args(argv)
-    # a second parse with every default suppressed tells which flags were given explicitly
-    probe = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    for action in parser._actions:
-        if action.option_strings and action.dest != "help":
-            probe.add_argument(*action.option_strings, dest=action.dest, type=action.type, nargs=action.nargs,
-                               const=action.const)
-    explicit = set(vars(probe.parse_known_args(argv)[0])) - {"local_rank"}
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**values), explicit
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    try:
+        sources = [config_file_words(path)] if path else []
+    except ConfigError as e:
+        parser.error(str(e))
+    return _parse(parser, sources + [argv])
+
+
+def config_from(config=None, overrides: Optional[dict] = None) -> tuple[TrainConfig, set[str]]:
+    """The Python API's settings: `config` (a TrainConfig, a dict of flags or their aliases, or a YAML file's path)
+    and keyword `overrides`, read as the command line reads a --config file and typed flags: the same names,
+    values and checks, a ConfigError for anything wrong. A TrainConfig's given settings are those that differ from
+    the defaults."""
+    sources = []
+    if isinstance(config, TrainConfig):
+        defaults = TrainConfig()
+        sources.append(mapping_words({k: v for k, v in config.to_dict().items() if getattr(defaults, k) != v},
+                                     "the TrainConfig"))
+    elif isinstance(config, dict):
+        sources.append(mapping_words(config, "the settings dict"))
+    elif isinstance(config, (str, os.PathLike)):
+        sources.append(config_file_words(os.fspath(config)))
+    elif config is not None:
+        raise TypeError(f"train() takes a TrainConfig, a dict or a YAML file's path, not {type(config).__name__}")
+    if overrides:
+        sources.append(mapping_words(overrides, "train()'s keyword arguments"))
+    return _parse(build_parser(raise_errors=True), sources)

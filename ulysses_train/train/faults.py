@@ -21,6 +21,7 @@ import errno
 import math
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -41,12 +42,21 @@ class Interrupted(BaseException):
 
 
 class StopFlag:
-    """SIGTERM and SIGINT handlers, and the flag they set. `armed` once the training loop runs."""
+    """SIGTERM and SIGINT handlers, and the flag they set. `armed` once the training loop runs. `restore()` puts
+    back the handlers that were there before (a run inside a process that goes on: the Python API). Only the main
+    thread may install handlers; from another thread the run has none (the caller's own stay)."""
 
     def __init__(self):
         self.requested, self.reason, self.armed = False, None, False
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
 
     interrupted_by = None  # the last Ctrl-C/SIGTERM this process saw: a peer's failure right after it is no fault
 

@@ -71,8 +71,10 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
 
 
 def train_step(run, step: int) -> dict:
-    """Optimizer step `step` (1-based): its micro-steps, the engine's steps, and its metrics record."""
+    """Optimizer step `step` (1-based): its micro-steps, the engine's steps, and its metrics record (its quantities:
+    metrics.py). The lr is the one this step's update used, read before the engine's step moves the scheduler on."""
     g, device = run.groups, run.device
+    lr = run.engine.get_lr()[0]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -82,10 +84,11 @@ def train_step(run, step: int) -> dict:
     grad_norm = float(run.engine.get_global_grad_norm() or 0.0)
     check_grad_norm(grad_norm, step, skipped, run.cfg.skip_nonfinite)
     tokens, conversations = (int(c) for c in counts.tolist())
+    positions = run.seq_len * run.micro * run.accum * g.dp_size
     return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": tokens,
-            "conversations": conversations, "step_time_s": elapsed,
-            "tokens_per_s": run.seq_len * run.micro * run.accum * g.dp_size / elapsed,
-            "peak_mem_gib": device_peak_gib(device), "lr": run.engine.get_lr()[0], "skipped": skipped}
+            "num_positions": positions, "conversations": conversations, "step_time_s": elapsed,
+            "tokens_per_s": positions / elapsed, "trained_tokens_per_s": tokens / elapsed,
+            "peak_mem_gib": device_peak_gib(device), "lr": float(lr), "skipped": skipped}
 
 
 def train(run) -> list[dict]:
@@ -97,7 +100,7 @@ def train(run) -> list[dict]:
         return history
     trackers = parse_report_to(cfg.report_to, cfg.tensorboard)
     with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, trackers, cfg.log_every, run.start_step,
-                       cfg.to_dict()) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
+                       cfg.to_dict(), cfg.progress) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
         for step in range(run.start_step + 1, cfg.steps + 1):
             inject_at_step(step, run.rank, stop)
             profile.before_step(step)

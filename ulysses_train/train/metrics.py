@@ -1,5 +1,16 @@
-"""Per-step metrics: a tqdm bar and a readable line on rank 0, `metrics.jsonl` (one object per optimizer step),
-and the experiment trackers of --report_to (tracking.py)."""
+"""Per-step metrics on rank 0: `metrics.jsonl` (one object per optimizer step), the experiment trackers of
+--report_to (tracking.py), and on the terminal (--progress) a line per step, under a tqdm bar when stderr is a
+terminal. Redirected to a file, the bar's carriage-return redraws would sit in front of each line, so `auto` prints
+the lines alone there: every one starts with `step`.
+
+Throughput, per optimizer step of the whole run (every DP group, every micro-step):
+
+    num_positions         sequence positions processed: --seq_len x micro batch x grad_accum x DP size, padding
+                          included (the work done)
+    num_tokens            trained tokens: positions whose label is a target (the loss's denominator)
+    tokens_per_s          num_positions / step_time_s
+    trained_tokens_per_s  num_tokens / step_time_s
+"""
 
 from __future__ import annotations
 
@@ -11,8 +22,32 @@ from typing import Optional, Sequence
 
 import torch
 
-KEYS = ("step", "loss", "grad_norm", "num_tokens", "conversations", "tokens_per_s", "step_time_s", "peak_mem_gib",
-        "lr")
+PROGRESS = ("auto", "bar", "lines", "none")
+KEYS = ("step", "loss", "grad_norm", "num_tokens", "num_positions", "conversations", "tokens_per_s",
+        "trained_tokens_per_s", "step_time_s", "peak_mem_gib", "lr")
+
+
+def progress_mode(setting: str, stream=None) -> str:
+    """--progress as it applies here: auto is a bar on a terminal, else lines."""
+    if setting != "auto":
+        return setting
+    stream = sys.stderr if stream is None else stream
+    return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
+
+
+def step_line(record: dict) -> str:
+    return (f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | tokens "
+            f"{record['num_tokens']} of {record['num_positions']} | {record['tokens_per_s']:.0f} tok/s "
+            f"({record['trained_tokens_per_s']:.0f} trained) | {record['step_time_s']:.2f} s | peak "
+            f"{record['peak_mem_gib']:.2f} GiB | lr {record['lr']:.2e}")
+
+
+def progress_bar(total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    class Bar(tqdm):
+        monitor_interval = 0  # no monitor thread: it would outlive the run in a process that goes on
+    return Bar(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
 def host_peak_gib() -> float:
@@ -52,13 +87,11 @@ def records_up_to(path: str, step: int) -> list[str]:
 
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers: Sequence[str] = (),
-                 log_every: int = 1, start_step: int = 0, config: Optional[dict] = None):
-        self.enabled, self.log_every = enabled, log_every
+                 log_every: int = 1, start_step: int = 0, config: Optional[dict] = None, progress: str = "auto"):
+        self.enabled, self.log_every, self.progress = enabled, log_every, progress_mode(progress)
         self.bar = self.file = self.trackers = None
         if not enabled:
             return
-        from tqdm.auto import tqdm
-
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "metrics.jsonl")
         if start_step and os.path.exists(path):  # resuming: keep the steps before the checkpoint, drop later ones
@@ -66,7 +99,8 @@ class MetricsLogger:
             with open(path, "w") as f:
                 f.writelines(kept)
         self.file = open(path, "a" if start_step else "w")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if self.progress == "bar":
+            self.bar = progress_bar(total_steps, start_step)
         if trackers:
             from .tracking import Trackers
 
@@ -90,21 +124,26 @@ class MetricsLogger:
                           if k.startswith("eval_") and v is not None}  # no loss where nothing was a target
             if evaluation:
                 self.trackers.log(evaluation, record["step"], prefix="eval")
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if self.progress == "none":
+            return
         if record["step"] % self.log_every == 0 or record["step"] == 1:
-            self.bar.write(
-                f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
-                f"tokens {record['num_tokens']} | {record['tokens_per_s']:.0f} tok/s | {record['step_time_s']:.2f} s"
-                f" | peak {record['peak_mem_gib']:.2f} GiB | lr {record['lr']:.2e}")
+            self.write(step_line(record))
         if "eval_loss" in record:
             loss = "none (no target)" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
-            self.bar.write(f"step {record['step']:>5} | eval loss {loss} over {record['eval_tokens']:,} tokens of "
-                           f"{record['eval_samples']} samples")
+            self.write(f"step {record['step']:>5} | eval loss {loss} over {record['eval_tokens']:,} tokens of "
+                       f"{record['eval_samples']} samples")
 
     def write(self, message: str) -> None:
-        if self.enabled:
+        """A line on the terminal (above the bar, if there is one)."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
             self.bar.write(message)
+        else:
+            print(message, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -7,9 +7,9 @@ run's settings are compared with those saved in the checkpoint's trainer_state.j
 
 A setting that alters what is trained (every flag but FREE_SETTINGS) and differs from the checkpoint's is a
 ConfigError naming each difference (old -> new) unless `--resume_override` names it; an override is then applied.
-The learning-rate schedule is a pure function of the step and the flags (--lr, --steps, --warmup_steps,
---min_lr_ratio): a resumed run follows the schedule of a run launched with its own flags, from the resumed step
-on. With unchanged flags that is exactly the schedule the checkpoint was on; with a new --steps the lr jumps to
+The learning-rate schedule is a pure function of the step and the flags (--lr, --steps or --epochs,
+--warmup_steps or --warmup_ratio, --lr_scheduler_type, --min_lr_ratio: schedule.py): a resumed run follows the
+schedule of a run launched with its own flags, from the resumed step on. With unchanged flags that is exactly the schedule the checkpoint was on; with a new --steps the lr jumps to
 the new schedule's value at that step (extending a finished cosine from 100 to 200 steps takes the lr from its
 floor back to the middle of the longer cosine, about 55% of --lr with the defaults: pass a lower --lr as well to
 continue lower).
@@ -27,15 +27,19 @@ from .checkpoint import read_trainer_state, resolve_resume
 from .config import FREE_SETTINGS, TrainConfig
 from .run_folder import check_writable, claim_for_fresh_run
 
-SCHEDULE_SETTINGS = ("lr", "steps", "warmup_steps", "min_lr_ratio")
+SCHEDULE_SETTINGS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "epochs", "warmup_ratio", "lr_scheduler_type")
 LAUNCH_ONLY = ("resume", "resume_override", "overwrite_output_dir")  # differ between launches by nature
 
-__all__ = ["FREE_SETTINGS", "NothingToDo", "ResumePlan", "apply_schedule", "compare_settings", "plan_run",
-           "training_settings"]
+__all__ = ["FREE_SETTINGS", "NothingToDo", "ResumePlan", "apply_optimizer_settings", "apply_schedule",
+           "compare_settings", "plan_run", "training_settings"]
 
 
 class NothingToDo(Exception):
     """The checkpoint is already at or past --steps; the message says so and the run exits 0."""
+
+    def __init__(self, message: str, checkpoint: Optional[str] = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -104,7 +108,7 @@ def _decide(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_sc
                           f"--ds_config {cfg.ds_config} sets the learning rate; remove its \"scheduler\" block so "
                           f"that the flags set the schedule")
     if state["step"] >= cfg.steps and not cfg.verify:
-        raise NothingToDo(f"nothing to do: {path} is at step {state['step']} of --steps {cfg.steps}")
+        raise NothingToDo(f"nothing to do: {path} is at step {state['step']} of --steps {cfg.steps}", path)
     if free:
         log(f"changed since {path} (they do not alter training): {', '.join(free)}")
     return ResumePlan(path, state["step"], list(overridden.values()))
@@ -118,13 +122,15 @@ def plan_run(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_s
         try:
             plan = _decide(cfg, settings, dp_size, sp_size, own_scheduler, log, warn)
         except (ConfigError, CheckpointError, NothingToDo) as e:
-            error = (type(e).__name__, str(e))
+            error = (type(e).__name__, str(e), getattr(e, "checkpoint", None))
     message = [plan, error]
     dist.broadcast_object_list(message, src=0)
     plan, error = message
     if error:
-        raise {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "NothingToDo": NothingToDo}[
-            error[0]](error[1])
+        name, text, checkpoint = error
+        if name == "NothingToDo":
+            raise NothingToDo(text, checkpoint)
+        raise {"ConfigError": ConfigError, "CheckpointError": CheckpointError}[name](text)
     return plan
 
 
@@ -137,3 +143,11 @@ def apply_schedule(scheduler, lr: float) -> None:
     for group, value in zip(scheduler.optimizer.param_groups, values):
         group["initial_lr"], group["lr"] = lr, value
     scheduler._last_lr = values
+
+
+def apply_optimizer_settings(optimizer, cfg: TrainConfig) -> None:
+    """Puts this run's AdamW settings (--adam_beta1/2, --adam_epsilon, --weight_decay) on an optimizer restored from a
+    checkpoint, whose param groups came back with the checkpoint's: the same values unless --resume_override
+    changed them."""
+    for group in optimizer.param_groups:
+        group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)

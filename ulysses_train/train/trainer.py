@@ -11,6 +11,7 @@ this object is loop.py; the command line, cli.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -39,27 +40,22 @@ from ..sp.kernels import resolve_kernel
 from ..sp.support import check_support, describe_layers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, ring_size_number, write_resolved_config
-from .resume import apply_schedule, plan_run, training_settings
+from .resume import apply_optimizer_settings, apply_schedule, plan_run, training_settings
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
 from .launcher import exit_now
 from .preflight import preflight
 from .run_lock import RunLock
+from .schedule import lr_factor, warmup_steps
+from .teardown import destroy_process_groups, release_engine
 from .watchdog import Watchdog
 
 
-def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
-
-
-def _init_distributed(backend: str) -> None:
-    """init_distributed, with a busy rendezvous port (another run on this host) as a setting to change."""
+def _init_distributed(backend: str) -> bool:
+    """init_distributed, with a busy rendezvous port (another run on this host) as a setting to change. Returns
+    whether it created the default process group (else the caller's is used, and stays)."""
+    created = not dist.is_initialized()
     try:
         init_distributed(backend)
     except Exception as e:  # torch's DistNetworkError, or a RuntimeError from older releases
@@ -68,6 +64,7 @@ def _init_distributed(backend: str) -> None:
         raise ConfigError(f"the rendezvous port {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} is "
                           f"in use (another run on this host?): give the launcher another port (deepspeed "
                           f"--master_port N, torchrun --master_port N) or set MASTER_PORT") from None
+    return created
 
 
 def verify_seq_len(cfg: TrainConfig) -> int:
@@ -94,8 +91,27 @@ class Trainer:
     """Everything one rank needs to train: `groups`, `source`, `engine`, `levers`, the resolved batch sizes."""
 
     def __init__(self, cfg: TrainConfig, explicit: set[str]):
+        # what the run holds in its process (process groups, signal handlers, the watchdog's thread, the output
+        # folder's lock, the engine), each released by close() in reverse order, also when building fails
+        self.resources = contextlib.ExitStack()
+        try:
+            self._build(cfg, explicit)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Releases what the run holds, so that the process can go on (the Python API) or train again: the engine,
+        transformers' ZeRO-3 setting, our process groups (the default one too if the run created it), the
+        watchdog's thread, the lock, the signal handlers. Idempotent."""
+        self.resources.close()
+        for name in ("engine", "module", "groups", "attention", "_hf_ds", "offload"):
+            setattr(self, name, None)  # a traceback that keeps this object must not keep the groups' threads
+
+    def _build(self, cfg: TrainConfig, explicit: set[str]) -> None:
         from deepspeed.accelerator import get_accelerator
         from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         cfg.validate()
         preflight(cfg)  # model, tokenizer and dataset paths, before anything is loaded
@@ -105,11 +121,17 @@ class Trainer:
         self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
                                    cfg.rope_original_max_positions)
         accel = get_accelerator()
-        _init_distributed(accel.communication_backend_name())
+        self.owns_process_group = _init_distributed(accel.communication_backend_name())
+        if self.owns_process_group:
+            self.resources.callback(destroy_process_groups)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stop = StopFlag()
+        self.resources.callback(self.stop.restore)
         self.lock = self._lock_output_dir()
+        if self.lock is not None:
+            self.resources.callback(self.lock.release)
         self.watchdog = Watchdog(self.rank, self.world, cfg.dist_timeout, self.stop.request, exit_now).start()
+        self.resources.callback(self.watchdog.stop)
         sp_size = cfg.sp_size or math.gcd(local_world_size(), self.world)
         heads = attention_heads(self.model_config)
         ring_size = dims.resolve_ring_size(ring_size_number(cfg.ring_size) or "auto", sp_size, *heads)
@@ -132,13 +154,26 @@ class Trainer:
         if cfg.skip_nonfinite and self.accum > 1:
             raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
         self.lr = resolved_lr(self.ds, cfg, cfg.model is None)
-        self.settings = self._training_settings(raw_ds, use_bf16)
-        # before the data and the model: a run that cannot write, or must not start, stops in seconds
-        self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds, self.rank,
-                             self.log, self.warn)
+        self.checkpoint = None  # the newest of this run: resumed from, then each save
+        # --epochs: the steps, a training setting, are known once the data is
+        steps_from_epochs = cfg.epochs is not None and "steps" not in explicit
+
+        def plan() -> None:  # before the data and the model: a run that cannot write, or must not start, stops in
+            self.settings = self._training_settings(raw_ds, use_bf16)  # seconds (with --epochs, after the data)
+            self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds,
+                                 self.rank, self.log, self.warn)
+        if not steps_from_epochs:
+            plan()
 
         self.groups = SequenceParallelGroups(sp_size, ring_size)
+        if not self.owns_process_group:  # the caller's default group stays; ours go
+            groups = self.groups
+            self.resources.callback(lambda: destroy_process_groups(groups.own_groups()))
         self.tokenizer, self.source = self._prepare_data()
+        if steps_from_epochs:
+            cfg.steps = self._steps_of_epochs(parallel.dp_size)
+            cfg.check_steps()
+            plan()
         self.eval_source = None
         if cfg.eval_dataset and not cfg.verify:
             self.eval_source = load_source(cfg, cfg.eval_dataset, cfg.eval_split or cfg.dataset_split, self.seq_len,
@@ -146,8 +181,11 @@ class Trainer:
         self.attention = register_ulysses_attention(self.groups.ulysses_group, self.kernel, self.groups.ring_group)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
+        if self._hf_ds is not None:  # models built after this run are plain again
+            self.resources.callback(unset_hf_deepspeed_config)
         self.module = CausalLMWithSPLoss(self._build_model(), self.groups.sp_group)
         self.engine = self._init_engine()
+        self.resources.callback(release_engine, self.engine)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
         self.start_step = self._resume()
         # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
@@ -172,6 +210,13 @@ class Trainer:
             "max_grad_norm": self.ds["gradient_clipping"], "dtype": "bf16" if use_bf16 else "fp32",
             "ds_config": raw_ds})
 
+    def _steps_of_epochs(self, dp_size: int) -> int:
+        """--epochs passes over the training samples, in optimizer steps (the last one may be partial)."""
+        cfg, per_step = self.cfg, self.micro * self.accum * dp_size
+        steps = max(1, math.ceil(cfg.epochs * self.source.num_samples / per_step))
+        self.log(f"epochs: {cfg.epochs:g} x {self.source.num_samples:,} samples / {per_step} a step = {steps} steps")
+        return steps
+
     def _build_model(self):
         """The HF model with the levers the policy resolves for --seq_len, installed by model/surgery.py."""
         cfg = self.cfg
@@ -195,11 +240,11 @@ class Trainer:
         optimizer = scheduler = None
         if "optimizer" not in self.ds:
             optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.lr,
-                                          betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
-                                          fused=self.device.type == "cuda")
+                                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                                          weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
         if "scheduler" not in self.ds:
-            warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.steps // 10
-            factor = warmup_cosine(cfg.steps, warmup, cfg.min_lr_ratio)
+            warmup = warmup_steps(cfg.steps, cfg.warmup_steps, cfg.warmup_ratio)
+            factor = lr_factor(cfg.lr_scheduler_type, cfg.steps, warmup, cfg.min_lr_ratio)
             scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
         engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
                                           self.module.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
@@ -231,8 +276,11 @@ class Trainer:
         self.resume_from = self.plan.checkpoint
         if not self.resume_from:
             return 0
+        self.checkpoint = self.resume_from
         state = load_checkpoint(self.engine, self.resume_from, self.rank)
-        if "scheduler" not in self.ds:  # ours (warmup_cosine); a DS-config scheduler keeps its own state
+        if "optimizer" not in self.ds:  # the checkpoint's param groups came back with their betas, eps and decay
+            apply_optimizer_settings(self.engine.optimizer, self.cfg)
+        if "scheduler" not in self.ds:  # ours (schedule.py); a DS-config scheduler keeps its own state
             apply_schedule(self.engine.lr_scheduler, self.lr)
         if self.rank == 0 and not self.cfg.verify:
             abandon_newer(self.cfg.output_dir, self.resume_from, self.log)
@@ -305,4 +353,8 @@ class Trainer:
         path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
                                self.rank, self.cfg.save_total_limit)
         self.log(f"saved checkpoint {path}")
+        self.checkpoint = path
         return path
+
+    def barrier(self) -> None:
+        dist.barrier()

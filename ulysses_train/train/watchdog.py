@@ -74,16 +74,24 @@ class Watchdog:
         launched = os.environ.get("ULYSSES_TRAIN_LAUNCHER", "single process") != "single process"
         self.chain = launcher_chain() if launched else []
         self.launcher_gone = False
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ulysses-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
         self._thread.start()
         return self
 
+    def stop(self) -> None:
+        """Ends the thread (at the end of a run inside a process that goes on: the Python API); it stops between
+        beats, so this waits at most one store call."""
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
     def _run(self) -> None:
         store = self._store()
         last_seen, moved_at, store_ok_at = None, time.monotonic(), time.monotonic()
-        while True:
+        while not self._stopped.is_set():
             self._check_launcher()
             if store is not None:
                 try:
@@ -102,7 +110,7 @@ class Watchdog:
                 elif self.world > 1 and time.monotonic() - moved_at > self.timeout_s:
                     self._die(f"rank {self.watched} has not answered for {self.timeout_s:.0f} s (frozen, stopped or "
                               f"its host is gone): stopping every rank (--dist_timeout)")
-            time.sleep(self.beat_s)
+            self._stopped.wait(self.beat_s)
 
     def _store(self):
         """A client of its own to the rendezvous store (MASTER_ADDR:MASTER_PORT, held by rank 0 or by torchrun's

@@ -1,0 +1,133 @@
+"""The Python API: train from a script or a notebook, in the calling process.
+
+    from ulysses_train import TrainConfig, train
+
+    result = train("run.yaml", learning_rate=1e-4)      # a YAML file, a dict or a TrainConfig, and overrides
+    result.eval_loss, result.checkpoint, result.metrics
+
+`train` runs as one process, or as one rank under any launcher (deepspeed, torchrun, accelerate, srun: every rank
+calls it). Settings are read as the command line reads them (train/config.py): every flag and its aliases, the same
+checks. It returns a `TrainResult` and never exits the interpreter: a setting to change raises ConfigError, a
+checkpoint that cannot be written or read CheckpointError, a non-finite loss NonFiniteError, SIGTERM or Ctrl-C
+before training `Interrupted`, anything else its own exception. When it returns or raises, the run has released
+what it held (the engine, the process groups it created, the watchdog's thread, signal handlers, the output
+folder's lock, the launcher variables it set for a single process), so the interpreter goes on and can train again.
+`launch/train.py` is this function and exit codes (cli.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from .config import TrainConfig, config_from
+
+# the launcher variables a single process sets for itself (launcher.py), put back as they were after the run
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ULYSSES_TRAIN_LAUNCHER")
+
+
+@dataclass
+class TrainResult:
+    """What a run did, the same on every rank."""
+
+    config: TrainConfig  # the settings as resolved (what <output_dir>/config.yaml holds)
+    history: list = field(default_factory=list)  # one record per step trained by this call (metrics.jsonl's)
+    checkpoint: Optional[str] = None  # the newest checkpoint of the run (saved, or resumed from), None if none
+    stopped: Optional[str] = None  # why the run stopped before its last step (SIGTERM, the launcher gone), or None
+    verify: Optional[dict] = None  # --verify's result (verify.json), with `passed`
+    message: Optional[str] = None  # when there was nothing to do: why
+
+    @property
+    def metrics(self) -> dict:
+        """The last trained step's record ({} when no step was trained)."""
+        return self.history[-1] if self.history else {}
+
+    @property
+    def eval_loss(self) -> Optional[float]:
+        """The last evaluation's loss (--eval_dataset), None without one."""
+        return next((r["eval_loss"] for r in reversed(self.history) if "eval_loss" in r), None)
+
+    @property
+    def output_dir(self) -> str:
+        return self.config.output_dir
+
+
+def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **overrides) -> TrainResult:
+    """Trains (or with `verify=True` checks) one run and returns its TrainResult. `config`: a TrainConfig, a dict or
+    the path of a YAML file whose keys are flags or their aliases (`--config`'s form); `overrides` win over it."""
+    cfg, explicit = config_from(config, overrides)
+    return run(cfg, explicit)
+
+
+def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
+    """The run of a parsed config (`explicit`: the settings given, not defaulted; train/ds_config.py reconciles them
+    with the DeepSpeed JSON)."""
+    from .loop import train as train_loop
+    from .resume import NothingToDo
+    from .trainer import Trainer
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    quiet_libraries()
+    cfg = dataclasses.replace(cfg)  # the run resolves some settings in place (--epochs); the caller's stays
+    result = TrainResult(cfg)
+    with launcher_environment():
+        try:
+            trainer = Trainer(cfg, explicit)
+        except NothingToDo as e:  # every rank knows it; rank 0 says it
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(e, flush=True)
+            return dataclasses.replace(result, checkpoint=e.checkpoint, message=str(e))
+        try:
+            if cfg.verify:
+                from .verify import run_verify
+
+                result.verify = run_verify(trainer)
+            else:
+                result.history = train_loop(trainer)
+                result.stopped = trainer.stop.reason if trainer.stop.requested else None
+                _say_done(trainer, result)
+            result.checkpoint = trainer.checkpoint
+            trainer.barrier()  # no rank leaves while another still talks to it
+        finally:
+            trainer.close()
+            del trainer
+            gc.collect()  # the engine's cycles hold the groups (and their threads) until collected
+    return result
+
+
+def _say_done(trainer, result: TrainResult) -> None:
+    history = result.history
+    if trainer.rank == 0 and history:
+        print(f"done: {history[-1]['step']} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
+              f"metrics in {os.path.join(trainer.cfg.output_dir, 'metrics.jsonl')}", flush=True)
+
+
+@contextlib.contextmanager
+def launcher_environment():
+    """The torch.distributed variables of whichever launcher started this process (launcher.py); those that a
+    single process sets for itself (rank 0 of 1, a free port) are put back afterwards, so the next run picks its own
+    port."""
+    from .launcher import normalise_launcher_env
+
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    normalise_launcher_env()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def quiet_libraries() -> None:
+    # torch renamed these collectives; DeepSpeed still calls the old names once per bucket, every step
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
