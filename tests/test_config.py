@@ -51,6 +51,19 @@ def test_optimizer_lr_reconciled():
         _resolve(["--lr", "3e-4"], raw)
 
 
+def test_optimizer_betas_and_epsilon_reconciled():
+    raw = load_ds_config(os.path.join(REPO_ROOT, "ds_configs", "zero3_offload.json"))
+    params = _resolve(["--adam_beta2", "0.999", "--adam_epsilon", "1e-6"], raw)["optimizer"]["params"]
+    assert (params["betas"], params["eps"]) == ([0.9, 0.999], 1e-6)
+    assert _resolve([], raw)["optimizer"]["params"]["betas"] == [0.9, 0.95]  # the flags' defaults
+    raw["optimizer"]["params"].update(betas=[0.8, 0.9], eps=1e-7)
+    assert _resolve([], raw)["optimizer"]["params"]["betas"] == [0.8, 0.9]  # numbers stand when no flag is typed
+    with pytest.raises(ConfigError, match=r"--adam_beta1 0.9 contradicts optimizer.params.betas\[0\] = 0.8"):
+        _resolve(["--adam_beta1", "0.9"], raw)
+    with pytest.raises(ConfigError, match="--adam_epsilon 1e-08 contradicts optimizer.params.eps = 1e-07"):
+        _resolve(["--adam_epsilon", "1e-8"], raw)
+
+
 def test_parallel_dims_and_errors_name_the_flag():
     dims = ParallelDims(world_size=8, sp_size=4)
     assert dims.dp_size == 2 and dims.sp_group_ranks(5) == [4, 5, 6, 7] and dims.dp_group_ranks(5) == [1, 5]
@@ -202,6 +215,12 @@ def test_attention_kernel_choice(monkeypatch):
     (["--checkpoint_layers", "half"], "--checkpoint_layers must be all, auto or a number of layers >= 0"),
     (["--checkpoint_layers", "4", "--gradient_checkpointing", "false"],
      "--checkpoint_layers 4 needs --gradient_checkpointing true"),
+    (["--epochs", "0", "--dataset", "d.jsonl"], "--epochs must be positive, got 0.0"),
+    (["--num_train_epochs", "2"], r"--epochs needs --dataset \(generated tokens never end"),
+    (["--warmup_ratio", "1.5"], r"--warmup_ratio must be in \[0, 1\], got 1.5"),
+    (["--adam_beta2", "1"], r"--adam_beta2 must be in \[0, 1\), got 1.0"),
+    (["--adam_epsilon", "0"], "--adam_epsilon must be positive, got 0.0"),
+    (["--warmup_steps", "40"], r"--warmup_steps must be in \[0, --steps=30\], got 40"),
 ])
 def test_validate_rejects_non_finite_and_out_of_range_floats(argv, message):
     cfg, _ = parse_args(argv)

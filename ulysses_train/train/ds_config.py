@@ -111,6 +111,20 @@ def _reconcile(ds: dict, key_path: tuple, flag: str, cfg: TrainConfig, explicit:
     return value
 
 
+def _reconcile_betas(params: dict, cfg: TrainConfig, explicit: set, src: str) -> None:
+    """optimizer.params.betas: "auto" (or absent) takes (--adam_beta1, --adam_beta2); numbers stand unless a typed
+    flag contradicts them."""
+    betas = params.get("betas", AUTO)
+    flags = (cfg.adam_beta1, cfg.adam_beta2)
+    if betas == AUTO:
+        params["betas"] = list(flags)
+        return
+    for i, name in enumerate(("adam_beta1", "adam_beta2")):
+        if name in explicit and float(flags[i]) != float(betas[i]):
+            raise ConfigError(f"--{name} {flags[i]} contradicts optimizer.params.betas[{i}] = {betas[i]} in {src}: "
+                              f"set betas to \"auto\" or make them equal")
+
+
 def resolve_ds_config(raw: dict, cfg: TrainConfig, explicit: set, dp_size: int, sp_size: int, hidden_size: int,
                       use_bf16: bool, random_init: bool) -> dict:
     ds = copy.deepcopy(raw)
@@ -134,6 +148,8 @@ def resolve_ds_config(raw: dict, cfg: TrainConfig, explicit: set, dp_size: int, 
         params = ds["optimizer"].setdefault("params", {})
         if params.get("weight_decay", AUTO) == AUTO:
             params["weight_decay"] = cfg.weight_decay
+        _reconcile(ds, ("optimizer", "params", "eps"), "adam_epsilon", cfg, explicit, cfg.adam_epsilon, src)
+        _reconcile_betas(params, cfg, explicit, src)
     if ds.get("fp16", {}).get("enabled") in (True, AUTO):
         if ds["fp16"]["enabled"] is True:
             raise ConfigError(f"fp16 is not supported ({src}): use bf16 (--dtype bf16) or fp32")

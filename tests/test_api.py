@@ -1,0 +1,84 @@
+"""The Python API from a plain script: examples/python_api.py's runs (TRL-style settings, --epochs, a linear
+schedule, evaluation, a second run, an error that raises) in one interpreter, which then holds nothing of them and
+exits normally."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.trainer_runs import ROOT, child_env
+
+# runs the example in this interpreter, then reports what the runs left behind
+DRIVER = """
+import glob, json, os, runpy, signal, sys, threading
+import torch.distributed as dist
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+report = runpy.run_path(sys.argv[1])["main"](sys.argv[2])
+comm = [open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm")]
+report["after"] = {
+    "gloo_threads": sum(n.startswith(("pt_gloo", "gloo_", "pt_tcpstore")) for n in comm),
+    # tqdm's monitor (a sleeping daemon that datasets' progress bars start, whoever calls datasets.map) stays
+    "python_threads": [t.name for t in threading.enumerate() if t.name != "tqdm_monitor"],
+    "process_group": dist.is_initialized(), "zero3": is_deepspeed_zero3_enabled(),
+    "handlers_restored": handlers == (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)),
+    "launcher_variables": [v for v in ("RANK", "WORLD_SIZE", "MASTER_PORT") if v in os.environ]}
+print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api")
+    (out / "driver.py").write_text(DRIVER)
+    env = {k: v for k, v in child_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(out / "driver.py"), os.path.join(ROOT, "examples", "python_api.py"),
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]  # a normal exit: no abort in teardown
+    report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    return {"report": report, "out": out, "stdout": proc.stdout}
+
+
+def test_trl_style_settings_train_with_epochs_a_linear_schedule_and_evaluation(session):
+    from transformers import get_linear_schedule_with_warmup
+
+    import torch
+
+    runs, out = session["report"]["runs"], session["out"]
+    steps = math.ceil(1 * 16 / 2)  # num_train_epochs x conversations (one per sample) / gradient_accumulation_steps
+    for lr, run in runs.items():
+        assert run["steps"] == steps and run["eval_loss"] is not None and run["eval_loss"] > 0
+        assert os.path.isdir(run["checkpoint"]) and run["checkpoint"].endswith(f"step_{steps:08d}")
+        # after the warmup, transformers' linear schedule (min_lr_ratio 0): each record holds the lr its step used
+        warmup = math.ceil(0.25 * steps)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(lr))
+        reference = get_linear_schedule_with_warmup(optimizer, warmup, steps)
+        expected = []
+        for _ in range(steps):
+            expected.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            reference.step()
+        assert run["lr"][warmup:] == pytest.approx(expected[warmup:], rel=1e-9)
+        assert run["lr"][0] == pytest.approx(float(lr) / (warmup + 1))  # ours: (step + 1) / (warmup + 1), never 0
+    assert runs["0.003"]["eval_loss"] != runs["0.01"]["eval_loss"]
+    resolved = yaml.safe_load(open(out / "lr_0.003" / "config.yaml"))
+    assert {"learning_rate", "max_length", "num_train_epochs", "assistant_only_loss", "bf16"}.isdisjoint(resolved)
+    assert (resolved["lr"], resolved["seq_len"], resolved["grad_accum"], resolved["epochs"], resolved["steps"],
+            resolved["warmup_ratio"], resolved["lr_scheduler_type"], resolved["loss_on"], resolved["dtype"]) == (
+        0.003, 128, 2, 1.0, steps, 0.25, "linear", "assistant", "fp32")
+    # its output is a pipe: step lines without a progress bar, every one found by grep '^step'
+    lines = [line for line in session["stdout"].splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 * (steps + 1) and "train:" not in session["stdout"]  # and the eval lines
+
+
+def test_errors_raise_and_the_interpreter_keeps_nothing_of_the_runs(session):
+    report = session["report"]
+    assert report["error"].startswith("--sp_size 3 does not divide the world size 1")
+    assert report["after"] == {"gloo_threads": 0, "python_threads": ["MainThread"], "process_group": False,
+                               "zero3": False, "handlers_restored": True, "launcher_variables": []}

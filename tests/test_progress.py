@@ -1,0 +1,42 @@
+"""--progress: a bar on a terminal, clean step lines in a redirected log (`grep '^step'` finds them all), nothing
+with none; the step line's throughput: positions and trained tokens (no processes)."""
+
+import io
+import json
+
+import pytest
+
+from ulysses_train.train.metrics import MetricsLogger, progress_mode
+
+RECORD = {"step": 1, "loss": 2.5, "grad_norm": 1.0, "num_tokens": 900, "num_positions": 1024, "conversations": 3,
+          "tokens_per_s": 2048.0, "trained_tokens_per_s": 1800.0, "step_time_s": 0.5, "peak_mem_gib": 1.0,
+          "lr": 1e-3}
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_auto_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    assert progress_mode("auto", Terminal()) == "bar" and progress_mode("auto", io.StringIO()) == "lines"
+    assert progress_mode("lines", Terminal()) == "lines" and progress_mode("none", io.StringIO()) == "none"
+
+
+@pytest.mark.parametrize("progress, lines", [("lines", 3), ("none", 0)])
+def test_step_lines_alone_in_a_redirected_log(tmp_path, capsys, progress, lines):
+    with MetricsLogger(str(tmp_path), 3, True, log_every=1, progress=progress) as logger:
+        for step in (1, 2):
+            logger.log(dict(RECORD, step=step), {"eval_loss": 2.0, "eval_tokens": 10, "eval_samples": 1}
+                       if step == 2 else {})
+        logger.write("saved checkpoint x")
+    out = capsys.readouterr()
+    assert out.err == "" and "train:" not in out.out
+    stepped = [line for line in out.out.splitlines() if line.startswith("step")]
+    assert len(stepped) == lines and "saved checkpoint x" in out.out  # events are printed in every mode
+    if lines:
+        assert stepped[0] == ("step     1 | loss 2.5000 | grad_norm 1.000 | tokens 900 of 1024 | 2048 tok/s (1800 "
+                              "trained) | 0.50 s | peak 1.00 GiB | lr 1.00e-03")
+        assert stepped[2].startswith("step     2 | eval loss 2.0000")
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2] and records[0]["trained_tokens_per_s"] == 1800.0
