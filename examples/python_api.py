@@ -1,11 +1,13 @@
-"""Training from Python, as a notebook would: a TRL-style configuration, an evaluation, a small learning-rate sweep
-and an error caught, all in one interpreter (README: "The Python API").
+"""Training from Python, as a notebook would: a TRL-style configuration with an evaluation, a second run on a
+mixture of two datasets (one of them ShareGPT's layout) with another learning rate, and an error caught, all in one
+interpreter (README: "The Python API").
 
     python examples/python_api.py --out /tmp/api_example
 
 It writes a few arithmetic conversations, trains the tiny default model on them (one process, the byte tokenizer,
-examples/chatml.jinja says what is trained) and prints one JSON line: each run's eval loss, steps and checkpoint.
-Under a launcher (`torchrun --nproc_per_node 2 examples/python_api.py ...`) every rank runs the same script.
+examples/chatml.jinja says what is trained) and prints one JSON line: each run's eval loss, steps, checkpoint and
+the lr of each step. Under a launcher (`torchrun --nproc_per_node 2 examples/python_api.py ...`) every rank runs
+the same script.
 """
 
 import argparse
@@ -19,14 +21,17 @@ from ulysses_train.errors import ConfigError
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chatml.jinja")
 
 
-def write_conversations(path: str, count: int, seed: int) -> str:
-    """`count` rows of {"messages": [user, assistant]}: a sum and its answer."""
+def write_conversations(path: str, count: int, seed: int, sharegpt: bool = False) -> str:
+    """`count` rows of {"messages": [user, assistant]}: a sum and its answer; or ShareGPT's
+    {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(count):
             a, b = rng.randint(1, 99), rng.randint(1, 99)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
-                                             {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]}) + "\n")
+            turns = [("user", "human", f"What is {a} + {b}?"), ("assistant", "gpt", f"{a} + {b} = {a + b}.")]
+            row = ({"conversations": [{"from": name, "value": text} for _, name, text in turns]} if sharegpt else
+                   {"messages": [{"role": role, "content": text} for role, _, text in turns]})
+            f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -40,11 +45,14 @@ def main(out: str) -> dict:
         "learning_rate": 3e-3, "gradient_accumulation_steps": 2, "num_train_epochs": 1, "warmup_ratio": 0.25,
         "lr_scheduler_type": "linear", "min_lr_ratio": 0.0, "bf16": False, "data_cache_dir": os.path.join(out, "cache"),
     }
+    # the same interpreter trains again: half of those conversations and 8 ShareGPT rows, a higher learning rate
+    sharegpt = write_conversations(os.path.join(out, "sharegpt.jsonl"), 6, seed=2, sharegpt=True)
+    mixture = [{"path": settings["dataset"], "weight": 0.5}, {"path": sharegpt, "samples": 8}]
     runs = {}
-    for lr in (3e-3, 1e-2):  # a sweep: the same interpreter trains again
-        result = train(settings, learning_rate=lr, output_dir=os.path.join(out, f"lr_{lr:g}"))
-        runs[f"{lr:g}"] = {"eval_loss": result.eval_loss, "steps": result.metrics["step"],
-                           "checkpoint": result.checkpoint, "lr": [r["lr"] for r in result.history]}
+    for name, overrides in (("trl_style", {}), ("mixture", {"dataset": mixture, "learning_rate": 1e-2})):
+        result = train(settings, **overrides, output_dir=os.path.join(out, name))
+        runs[name] = {"eval_loss": result.eval_loss, "steps": result.metrics["step"], "checkpoint": result.checkpoint,
+                      "lr": [r["lr"] for r in result.history]}
     try:  # a setting to change raises, it does not exit
         train(settings, sp_size=3, output_dir=os.path.join(out, "bad"))
         error = None

@@ -57,6 +57,36 @@ REASONING = CHATML_PLAIN.replace(
     "message.content.split('</think>')[-1]) + '<|im_end|>' }}")
 assert REASONING != CHATML_PLAIN
 
+# ChatML with markers whose assistant turns render their tool calls (what a tool-using template does with them)
+CHATML_TOOLS = """{%- for message in messages %}
+    {%- if message.role == "assistant" %}
+        {{- '<|im_start|>assistant\n' }}{% generation %}{{- message.content or '' }}
+        {%- for call in message.tool_calls or [] %}
+            {{- '<tool_call>' + call.function.name + ' ' + (call.function.arguments | tojson) + '</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>' }}{% endgeneration %}{{- '\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# MULTI_TURN in ShareGPT's layout, with LLaMA-Factory's tool roles, and the messages it stands for
+SHAREGPT = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "What is two plus two?"},
+            {"from": "gpt", "value": "Four."}, {"from": "human", "value": "And the cat?"},
+            {"from": "function_call", "value": '{"name": "where", "arguments": {"animal": "cat"}}'},
+            {"from": "observation", "value": "sat on the mat"}, {"from": "gpt", "value": "It sat on the mat."}]
+SHAREGPT_AS_MESSAGES = [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "What is two plus two?"},
+                        {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And the cat?"},
+                        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                            "name": "where", "arguments": {"animal": "cat"}}}]},
+                        {"role": "tool", "content": "sat on the mat"},
+                        {"role": "assistant", "content": "It sat on the mat."}]
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>"]
 CORPUS = ["What is two plus two? Four. Hello there, how are you? I am fine, thank you. The cat sat on the mat. "

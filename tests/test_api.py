@@ -1,6 +1,6 @@
 """The Python API from a plain script: examples/python_api.py's runs (TRL-style settings, --epochs, a linear
-schedule, evaluation, a second run, an error that raises) in one interpreter, which then holds nothing of them and
-exits normally."""
+schedule, evaluation; then a mixture with ShareGPT rows; an error that raises) in one interpreter, which then holds
+nothing of them and exits normally."""
 
 import json
 import math
@@ -52,12 +52,13 @@ def test_trl_style_settings_train_with_epochs_a_linear_schedule_and_evaluation(s
 
     runs, out = session["report"]["runs"], session["out"]
     steps = math.ceil(1 * 16 / 2)  # num_train_epochs x conversations (one per sample) / gradient_accumulation_steps
-    for lr, run in runs.items():
+    # the mixture: half of the 16 and 8 ShareGPT conversations, the same steps
+    for (name, run), lr in zip(runs.items(), (3e-3, 1e-2)):
         assert run["steps"] == steps and run["eval_loss"] is not None and run["eval_loss"] > 0
         assert os.path.isdir(run["checkpoint"]) and run["checkpoint"].endswith(f"step_{steps:08d}")
         # after the warmup, transformers' linear schedule (min_lr_ratio 0): each record holds the lr its step used
         warmup = math.ceil(0.25 * steps)
-        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(lr))
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
         reference = get_linear_schedule_with_warmup(optimizer, warmup, steps)
         expected = []
         for _ in range(steps):
@@ -65,9 +66,12 @@ def test_trl_style_settings_train_with_epochs_a_linear_schedule_and_evaluation(s
             optimizer.step()
             reference.step()
         assert run["lr"][warmup:] == pytest.approx(expected[warmup:], rel=1e-9)
-        assert run["lr"][0] == pytest.approx(float(lr) / (warmup + 1))  # ours: (step + 1) / (warmup + 1), never 0
-    assert runs["0.003"]["eval_loss"] != runs["0.01"]["eval_loss"]
-    resolved = yaml.safe_load(open(out / "lr_0.003" / "config.yaml"))
+        assert run["lr"][0] == pytest.approx(lr / (warmup + 1))  # ours: (step + 1) / (warmup + 1), never 0
+    assert runs["trl_style"]["eval_loss"] != runs["mixture"]["eval_loss"]
+    mixture = yaml.safe_load(open(out / "mixture" / "config.yaml"))["dataset"]
+    assert mixture == [{"path": str(out / "train.jsonl"), "weight": 0.5}, {"path": str(out / "sharegpt.jsonl"),
+                                                                           "samples": 8}]
+    resolved = yaml.safe_load(open(out / "trl_style" / "config.yaml"))
     assert {"learning_rate", "max_length", "num_train_epochs", "assistant_only_loss", "bf16"}.isdisjoint(resolved)
     assert (resolved["lr"], resolved["seq_len"], resolved["grad_accum"], resolved["epochs"], resolved["steps"],
             resolved["warmup_ratio"], resolved["lr_scheduler_type"], resolved["loss_on"], resolved["dtype"]) == (

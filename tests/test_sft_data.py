@@ -148,8 +148,8 @@ def test_format_detection_and_loss_on():
     assert detect_format(["input_ids", "labels"], "auto", None) == "tokens"
     assert detect_format(["text", "messages"], "auto", "text") == "text"  # --text_column asks for text
     assert detect_format(["text"], "auto", None) == "text"
-    with pytest.raises(ConfigError, match=r"--data_format messages needs the column\(s\) \['messages'\]; the dataset "
-                                          r"has \['text'\]"):
+    with pytest.raises(ConfigError, match=r"--data_format messages needs a `messages` or `conversations` column \(or "
+                                          r"name yours with --messages_field\); the dataset has \['text'\]"):
         detect_format(["text"], "messages", None)
     with pytest.raises(ConfigError, match=r"no 'text' column in the dataset \(columns: \['body'\]\), nor .*"
                                           r"--text_column, or the format with --data_format"):

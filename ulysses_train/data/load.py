@@ -1,5 +1,5 @@
-"""Loading a dataset into a sample source: raw text through the token store (corpus.py), conversations and other
-SFT formats through sft.py, for --dataset and --eval_dataset alike."""
+"""Loading a dataset, or a mixture of several (data/mixture.py), into a sample source: raw text through the token
+store (corpus.py), conversations and other SFT formats through sft.py, for --dataset and --eval_dataset alike."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from .chat import template_source
 from .corpus import corpus_samples, dataset_columns, load_corpus, load_tokenizer, unreadable_dataset_is_a_config_error
+from .mixture import DatasetEntry, MixtureSource, dataset_entries, is_mixture
 from .sft import detect_format, resolve_loss_on, sft_samples, untrained_warning
 from .sources import ChatSource, CorpusSource
 
 
-def load_source(cfg, dataset: str, split: str, seq_len: int, vocab_size: int, rank: int, log: Callable[[str], None],
+def load_source(cfg, spec, split: str, seq_len: int, vocab_size: int, rank: int, log: Callable[[str], None],
                 flag: str = "dataset"):
-    """(tokenizer, source) of `dataset`, text or conversations, in samples of `seq_len`. Rank 0 tokenizes and caches
-    first; the others then read the cache. Rank 0's outcome is broadcast, so a bad dataset stops every rank with its
-    message instead of leaving them waiting. `cfg` is the run's configuration (train/config.py); `flag` is the one
-    that named the data (`dataset` or `eval_dataset`), for the log and the error messages."""
-    loader = _Loader(cfg, dataset, split, seq_len, vocab_size, log, flag)
+    """(tokenizer, source) of `spec` (a dataset, or a mixture's entries), text or conversations, in samples of
+    `seq_len`. Rank 0 tokenizes and caches first; the others then read the cache. Rank 0's outcome is broadcast, so a
+    bad dataset stops every rank with its message instead of leaving them waiting (without a process group, as in
+    `python -m ulysses_train.preview`, this process is rank 0 of 1). `cfg` is the run's configuration
+    (train/config.py); `flag` is the one that named the data (`dataset` or `eval_dataset`), for the log and the
+    error messages."""
+    loader = _Loader(cfg, dataset_entries(spec, flag), split, seq_len, vocab_size, log, flag)
     result = loader.load() if rank == 0 else None
     error = [result if isinstance(result, str) else None]  # only rank 0's error message crosses ranks
-    dist.broadcast_object_list(error, src=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise ConfigError(error[0])
     if rank != 0:
@@ -35,9 +39,9 @@ def load_source(cfg, dataset: str, split: str, seq_len: int, vocab_size: int, ra
 
 
 class _Loader:
-    def __init__(self, cfg, dataset: str, split: str, seq_len: int, vocab_size: int, log: Callable[[str], None],
-                 flag: str):
-        self.cfg, self.dataset, self.split, self.seq_len, self.vocab_size = cfg, dataset, split, seq_len, vocab_size
+    def __init__(self, cfg, entries: list[DatasetEntry], split: str, seq_len: int, vocab_size: int,
+                 log: Callable[[str], None], flag: str):
+        self.cfg, self.entries, self.split, self.seq_len, self.vocab_size = cfg, entries, split, seq_len, vocab_size
         self.flag = flag
         self.log = log if flag == "dataset" else (lambda m: log(m.replace("data:", "eval data:", 1)))
 
@@ -49,46 +53,66 @@ class _Loader:
 
     def load(self):
         """(tokenizer, source), or the message of the ConfigError that stops the run."""
-        cfg, dataset, split = self.cfg, self.dataset, self.split
         try:
-            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model)
+            tokenizer = load_tokenizer(self.cfg.tokenizer, self.cfg.model)
             if len(tokenizer) > self.vocab_size:
                 raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the model's vocabulary is "
                                   f"{self.vocab_size}: use a matching --tokenizer or --model_config")
-            with unreadable_dataset_is_a_config_error(dataset):
-                corpus = load_corpus(dataset, split, cfg.streaming)
-                fmt = detect_format(dataset_columns(corpus), cfg.data_format, cfg.text_column)
-            if fmt == "text":
-                return tokenizer, self._text_source(tokenizer, corpus)
-            return tokenizer, self._conversation_source(tokenizer, corpus, fmt)
+            sources = [self._source(tokenizer, entry) for entry in self.entries]
+            if not is_mixture(self.entries):
+                return tokenizer, sources[0]
+            counts = [entry.count(source.num_samples) for entry, source in zip(self.entries, sources)]
+            mixture = MixtureSource(sources, counts, self.cfg.seed)
+            self.log(f"data: a mixture of {len(sources)}, {mixture.num_samples:,} samples a pass: " + "; ".join(
+                entry.describe(source.num_samples) for entry, source in zip(self.entries, sources)))
+            return tokenizer, mixture
         except ConfigError as e:
             return self._named(str(e))
 
-    def _text_source(self, tokenizer, corpus) -> CorpusSource:
-        cfg = self.cfg
-        resolve_loss_on("text", cfg.loss_on, [])  # text trains every token
-        if cfg.chat_template:
-            raise ConfigError(f"--chat_template applies to messages and prompt/completion data; {self.dataset} is "
-                              f"text")
-        samples, store = corpus_samples(self.dataset, self.split, cfg.text_column, tokenizer, self.seq_len,
-                                        cfg.data_cache_dir, cfg.streaming, cfg.num_proc, cfg.max_tokens,
+    def _source(self, tokenizer, entry: DatasetEntry):
+        cfg, dataset = self.cfg, entry.path
+        with unreadable_dataset_is_a_config_error(dataset):
+            corpus = load_corpus(dataset, entry.split or self.split, cfg.streaming)
+            fmt = detect_format(dataset_columns(corpus), entry.data_format or cfg.data_format,
+                                entry.text_column or cfg.text_column, entry.messages_field or cfg.messages_field)
+        if fmt == "text":
+            return self._text_source(tokenizer, corpus, entry)
+        return self._conversation_source(tokenizer, corpus, fmt, entry)
+
+    def _text_source(self, tokenizer, corpus, entry: DatasetEntry) -> CorpusSource:
+        cfg, split = self.cfg, entry.split or self.split
+        if not is_mixture(self.entries):  # in a mixture, these flags are for the conversation datasets
+            resolve_loss_on("text", cfg.loss_on, [])  # text trains every token
+            if cfg.chat_template:
+                raise ConfigError(f"--chat_template applies to messages and prompt/completion data; {entry.path} is "
+                                  f"text")
+        samples, store = corpus_samples(entry.path, split, entry.text_column or cfg.text_column, tokenizer,
+                                        self.seq_len, cfg.data_cache_dir, cfg.streaming, cfg.num_proc, cfg.max_tokens,
                                         cfg.last_sample == "pad", corpus=corpus)
-        self.log(f"data: {len(store.tokens):,} tokens in {len(store.doc_starts):,} documents -> {len(samples):,} "
-                 f"samples of {self.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, packing "
-                 f"{cfg.packing})")
+        self.log(f"data:{self._which(entry)} {len(store.tokens):,} tokens in {len(store.doc_starts):,} documents -> "
+                 f"{len(samples):,} samples of {self.seq_len:,} (cache {'hit' if store.cache_hit else 'written'}, "
+                 f"packing {cfg.packing})")
         return CorpusSource(samples, cfg.packing)
 
-    def _conversation_source(self, tokenizer, corpus, fmt: str) -> ChatSource:
+    def _conversation_source(self, tokenizer, corpus, fmt: str, entry: DatasetEntry) -> ChatSource:
         cfg = self.cfg
         samples, store, settings = sft_samples(
-            corpus, fmt, tokenizer, self.seq_len, dataset=self.dataset, split=self.split,
+            corpus, fmt, tokenizer, self.seq_len, dataset=entry.path, split=entry.split or self.split,
             cache_dir=cfg.data_cache_dir, chat_template=cfg.chat_template, loss_on=cfg.loss_on,
             truncation=cfg.truncation, packing=cfg.packing, num_proc=cfg.num_proc, max_tokens=cfg.max_tokens,
-            length_flag="--verify_seq_len" if cfg.verify else "--seq_len", vocab_size=self.vocab_size)
+            length_flag="--verify_seq_len" if cfg.verify else "--seq_len", vocab_size=self.vocab_size,
+            messages_field=entry.messages_field or cfg.messages_field,
+            role_map=entry.role_map if entry.role_map is not None else cfg.role_map)
         template = f", {template_source(cfg.chat_template)}" if settings["chat_template"] else ""
-        self.log(f"data: {fmt}, loss on {settings['loss_on']}{template}: {samples.describe()} (cache "
-                 f"{'hit' if store.cache_hit else 'written'}, packing {cfg.packing})")
-        warning = untrained_warning(samples, self.dataset)
+        column = settings["messages_column"]
+        layout = f" (from `{column}`)" if column not in (None, "messages") else ""
+        self.log(f"data:{self._which(entry)} {fmt}{layout}, loss on {settings['loss_on']}{template}: "
+                 f"{samples.describe()} (cache {'hit' if store.cache_hit else 'written'}, packing {cfg.packing})")
+        warning = untrained_warning(samples, entry.path)
         if warning:
             self.log(f"warning: {self._named(warning)}")
         return ChatSource(samples)
+
+    def _which(self, entry: DatasetEntry) -> str:
+        """In a mixture's log, which dataset a line is about."""
+        return f" {entry.path}:" if is_mixture(self.entries) else ""

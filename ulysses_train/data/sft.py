@@ -2,7 +2,8 @@
 
 Formats (--data_format, detected from the columns by default, in this order):
 
-    messages           a list of {role, content}, rendered with the chat template (data/chat.py)
+    messages           a list of {role, content} (or ShareGPT's `conversations` of {from, value}, or the column
+                       --messages_field names: data/messages.py), rendered with the chat template (data/chat.py)
     prompt_completion  `prompt` and `completion`: two strings (tokenized one after the other, EOS after the
                        completion), or two message lists (rendered with the template as one conversation)
     tokens             pre-tokenized `input_ids`, with optional `labels` (unshifted, -100 where not trained) or
@@ -28,22 +29,30 @@ import numpy as np
 from ..errors import ConfigError
 from .chat import assistant_mask, completion_mask, encode, load_chat_template, rendered_ids
 from .corpus import dataset_columns, unreadable_dataset_is_a_config_error
+from .messages import messages_column, normalise, parse_role_map, roles
 from .packing import ConversationSamples
 from .token_store import build_token_store, cache_settings, store_key
 
 DATA_FORMATS = ("auto", "messages", "prompt_completion", "tokens", "text")
 LOSS_ON = ("auto", "assistant", "completion", "all")
 TRUNCATION = ("error", "left", "right")
-SFT_FORMAT = 2  # bump when rendering, masking or checking rules change what is stored
-_NEEDS = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "tokens": ["input_ids"]}
+SFT_FORMAT = 3  # bump when rendering, masking or checking rules change what is stored
+_NEEDS = {"prompt_completion": ["prompt", "completion"], "tokens": ["input_ids"]}
 _LOSS_ON = {"messages": ("assistant", "all"), "prompt_completion": ("completion", "assistant", "all"),
             "text": ("all",)}
 
 
-def detect_format(columns: list[str], requested: str, text_column: Optional[str]) -> str:
+def detect_format(columns: list[str], requested: str, text_column: Optional[str],
+                  messages_field: Optional[str] = None) -> str:
     """The data format of a dataset with these columns; a forced format must find its columns."""
     if requested == "text" or (requested == "auto" and text_column):
         return "text"
+    messages = messages_column(columns, messages_field)
+    if requested == "messages" or (requested == "auto" and messages):
+        if not messages:
+            raise ConfigError(f"--data_format messages needs a `messages` or `conversations` column (or name yours "
+                              f"with --messages_field); the dataset has {columns}")
+        return "messages"
     if requested != "auto":
         missing = [c for c in _NEEDS[requested] if c not in columns]
         if missing:
@@ -55,8 +64,9 @@ def detect_format(columns: list[str], requested: str, text_column: Optional[str]
     if "text" in columns:
         return "text"
     raise ConfigError(f"no 'text' column in the dataset (columns: {columns}), nor the columns of another format "
-                      f"(conversations: `messages`; instructions: `prompt` and `completion`; tokens: `input_ids`): "
-                      f"name the text column with --text_column, or the format with --data_format")
+                      f"(conversations: `messages`, ShareGPT's `conversations` or --messages_field; instructions: "
+                      f"`prompt` and `completion`; tokens: `input_ids`): name the text column with --text_column, or "
+                      f"the format with --data_format")
 
 
 def resolve_loss_on(fmt: str, requested: str, columns: list[str]) -> str:
@@ -87,9 +97,10 @@ class RowEncoder:
     truncated, or fail the embedding only when its row is drawn)."""
 
     def __init__(self, fmt: str, tokenizer, template: Optional[str], loss_on: str, vocab_size: Optional[int] = None,
-                 dataset: Optional[str] = None):
+                 dataset: Optional[str] = None, column: str = "messages", role_names: Optional[dict] = None):
         self.fmt, self.tokenizer, self.template, self.loss_on = fmt, tokenizer, template, loss_on
         self.vocab_size, self.dataset = vocab_size, dataset
+        self.column, self.roles = column, roles(None) if role_names is None else role_names
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         from jinja2 import TemplateError
@@ -112,7 +123,7 @@ class RowEncoder:
         return f"row {index} of --dataset" + (f" {self.dataset}" if self.dataset else "")
 
     def _messages(self, row: dict) -> tuple[list, list]:
-        messages = _messages(row["messages"], "messages")
+        messages = normalise(row[self.column], self.column, self.roles)
         if self.loss_on == "all":
             ids = rendered_ids(self.tokenizer, self.template, messages)
             return ids, [1] * len(ids)
@@ -128,7 +139,7 @@ class RowEncoder:
             eos = self.tokenizer.eos_token_id
             tail += [eos] if eos is not None and tail[-1:] != [eos] else []  # the model learns to stop
             return head + tail, [int(self.loss_on == "all")] * len(head) + [1] * len(tail)
-        prompt, completion = _messages(prompt, "prompt"), _messages(completion, "completion")
+        prompt, completion = normalise(prompt, "prompt", self.roles), normalise(completion, "completion", self.roles)
         if self.loss_on == "completion":
             return completion_mask(self.tokenizer, self.template, prompt, completion)
         if self.loss_on == "assistant":
@@ -185,12 +196,6 @@ def _integer(k: int, value) -> int:
     return int(value)
 
 
-def _messages(value, column: str) -> list:
-    if not isinstance(value, list) or not value or not all(isinstance(m, dict) and "role" in m for m in value):
-        raise ConfigError(f"`{column}` must be a non-empty list of {{role, content}} objects, got {str(value)[:80]!r}")
-    return [{k: v for k, v in m.items() if v is not None} for m in value]  # Arrow fills absent keys with None
-
-
 # ---------------------------------------------------------------- the pipeline
 
 def uses_template(fmt: str, corpus) -> bool:
@@ -207,13 +212,16 @@ def uses_template(fmt: str, corpus) -> bool:
 def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, split: str, cache_dir: str,
                 chat_template: Optional[str] = None, loss_on: str = "auto", truncation: str = "error",
                 packing: bool = False, num_proc: Optional[int] = None, max_tokens: Optional[int] = None,
-                length_flag: str = "--seq_len", vocab_size: Optional[int] = None
-                ) -> tuple[ConversationSamples, object, dict]:
+                length_flag: str = "--seq_len", vocab_size: Optional[int] = None, messages_field: Optional[str] = None,
+                role_map=None) -> tuple[ConversationSamples, object, dict]:
     """Rows of a loaded dataset -> the cached store of conversations -> samples of `seq_len` tokens. Returns the
     samples, the store and the settings that keyed it. Data with no target at all is a ConfigError (require_targets);
-    `vocab_size`: the model's, which pre-tokenized ids must fall in."""
+    `vocab_size`: the model's, which pre-tokenized ids must fall in; `messages_field` and `role_map`: the layout of
+    message lists (data/messages.py)."""
     with unreadable_dataset_is_a_config_error(dataset):
         columns = dataset_columns(corpus)
+        column = messages_column(columns, messages_field) if fmt == "messages" else None
+        role_names = roles(parse_role_map(role_map))
         loss = resolve_loss_on(fmt, loss_on, columns)
         template = load_chat_template(chat_template, tokenizer) if uses_template(fmt, corpus) else None
         if chat_template and fmt == "tokens":
@@ -222,9 +230,11 @@ def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, spli
         kwargs = {"batched": True, "with_indices": True, "remove_columns": columns}
         if not getattr(corpus, "_ex_iterable", None):  # map-style: multiprocess, progress bar, disk cache
             kwargs.update(num_proc=num_proc, desc="rendering conversations" if template else "tokenizing")
-        tokenized = corpus.map(RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset), **kwargs)
+        tokenized = corpus.map(RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset, column, role_names),
+                               **kwargs)
         fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
-        extra = {"sft_format": SFT_FORMAT, "data_format": fmt, "chat_template": template, "loss_on": loss}
+        extra = {"sft_format": SFT_FORMAT, "data_format": fmt, "chat_template": template, "loss_on": loss,
+                 "messages_column": column, "roles": role_names if fmt != "tokens" else None}
         settings = cache_settings(fingerprint, tokenizer, dataset, split, fmt, max_tokens, extra)
         store = build_token_store(tokenized, None, cache_dir, store_key(settings), max_tokens, settings,
                                   trained=True)
@@ -247,7 +257,8 @@ def _why_no_target(fmt: str, loss: str, chat_template: Optional[str], uses_templ
     if uses_template:
         which = (f"--chat_template {chat_template}" if chat_template else
                  "the tokenizer's chat template (else give one with --chat_template)")
-        return f"do the conversations have assistant turns, and does {which} render them?"
+        return (f"do the conversations have assistant turns (roles other than ShareGPT's are named with --role_map), "
+                f"and does {which} render them?")
     return "are the completions empty?"
 
 

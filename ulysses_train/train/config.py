@@ -15,6 +15,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 
+from ..data.messages import parse_role_map
+from ..data.mixture import dataset_entries
 from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KINDS
 from ..levers.rope import ROPE_SCALINGS
@@ -250,9 +252,12 @@ class TrainConfig:
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
         for name, default in (("data_format", "auto"), ("chat_template", None), ("loss_on", "auto"),
-                              ("truncation", "error")):
+                              ("truncation", "error"), ("messages_field", None), ("role_map", None)):
             if getattr(self, name) != default and not self.dataset:
                 raise ConfigError(f"--{name} needs --dataset (generated tokens train every token)")
+        if self.dataset:
+            dataset_entries(self.dataset)  # a mixture's entries: their keys and shares
+        parse_role_map(self.role_map)
         for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -423,8 +428,10 @@ def dataset_entry(text: str):
         entry = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not a JSON object ({e}): {text}") from None
-    if not isinstance(entry, dict) or "path" not in entry:
-        raise argparse.ArgumentTypeError(f"a dataset entry needs a \"path\": {text}")
+    try:
+        dataset_entries(entry)  # its keys and share
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return entry
 
 

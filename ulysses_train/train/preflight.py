@@ -13,6 +13,7 @@ import json
 import os
 import zipfile
 
+from ..data.mixture import dataset_entries
 from ..errors import ConfigError
 from ..paths import local_or_hub
 
@@ -54,9 +55,11 @@ def check_tokenizer(spec) -> None:
 
 
 def check_dataset(spec, flag: str = "dataset") -> None:
-    """Existence only: the files' contents are read (and their errors named) when the data is loaded."""
+    """Existence only, of each dataset of a mixture too: the files' contents are read (and their errors named) when
+    the data is loaded."""
     if spec:
-        local_or_hub(flag, spec)
+        for entry in dataset_entries(spec, flag):
+            local_or_hub(flag, entry.path)
 
 
 def check_chat_template(path) -> None:
