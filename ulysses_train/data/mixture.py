@@ -9,8 +9,9 @@ the mixture holds:
     weight: w     w x its samples (0.5: half of them; 2: each twice), rounded; the default is 1 (each once)
 
 The run's --chat_template, --loss_on, --truncation and --packing apply to each dataset they concern (a text dataset
-in a mixture trains every token). The mixture's samples are the entries' in turn, shuffled together like any dataset's (a fresh permutation each
-epoch, fixed by --seed: data/sources.py); with --epochs, an epoch is one pass over the mixture.
+in a mixture trains every token). The mixture's samples are the entries' in turn, shuffled together like any
+dataset's (a fresh permutation each epoch, fixed by --seed: data/sources.py); with --epochs, an epoch is one pass
+over the mixture.
 """
 
 from __future__ import annotations

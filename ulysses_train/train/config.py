@@ -331,7 +331,8 @@ class TrainConfig:
 FREE_SETTINGS = frozenset({
     "output_dir", "save_steps", "save_final", "save_total_limit", "resume", "resume_override",
     "overwrite_output_dir", "log_every", "progress", "tensorboard", "profile_memory", "num_proc", "data_cache_dir",
-    "verify", "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to", "config",
+    "verify", "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to",
+    "config",
     "eval_dataset", "eval_split", "eval_steps", "eval_samples",
     "ring_size",  # the same attention, split another way
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
