@@ -240,7 +240,8 @@ def test_data_that_trains_nothing_is_refused_naming_the_flags(tok, tmp_path):
     template.write_text(CHATML_QWEN)
     with pytest.raises(ConfigError, match=rf"--dataset .*noassist.jsonl: no target: none of its 6 conversations has "
                                           rf"a token the model is trained to write with --loss_on assistant \(do the "
-                                          rf"conversations have assistant turns, and does --chat_template {template} "
+                                          rf"conversations have assistant turns \(roles other than ShareGPT's are "
+                                          rf"named with --role_map\), and does --chat_template {template} "
                                           rf"render them\?\); fix the data or the template, or train every token "
                                           rf"with --loss_on all"):
         _samples(write_jsonl(tmp_path / "noassist.jsonl", NO_ASSISTANT), tmp_path, tok, chat_template=str(template))

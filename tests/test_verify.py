@@ -57,7 +57,7 @@ def _faulty(rank, world, tmp, fault):
     import transformers.modeling_utils as modeling_utils
 
     import ulysses_train.model.build as models
-    import ulysses_train.train.trainer as trainer
+    from ulysses_train.train import trainer
     from ulysses_train.model.buffers import BufferReport
 
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext  # as transformers 5.17 builds under ZeRO-3

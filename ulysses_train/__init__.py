@@ -12,8 +12,9 @@
               kernels, YaRN, shared master weights) and the policy that resolves them
     model/    model presets and building, its buffers, and every patch the levers make to it (surgery)
     data/     generated tokens, corpora, batches
-    train/    the run: configuration, DeepSpeed config, the trainer, the loop, checkpoints, faults, metrics, --verify
-    tools/    the planner, export, the position check, demos (also as `python -m ulysses_train.<tool>`)
+    train/    the run: configuration, DeepSpeed config, the trainer, the loop, checkpoints, faults, metrics, --verify,
+              the Python API
+    tools/    the planner, export, the position check, the preview, demos (also as `python -m ulysses_train.<tool>`)
 """
 
 from .levers.loss import fused_linear_cross_entropy, global_token_count, sp_backward_scale

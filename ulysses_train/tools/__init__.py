@@ -1,1 +1,1 @@
-"""The planner, export, the per-position check and the long-range demo."""
+"""The planner, export, the per-position check, the preview and the long-range demo."""

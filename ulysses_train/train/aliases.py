@@ -75,7 +75,7 @@ ALIASES = (
           "true: `--resume auto`; false: none; a path: that checkpoint"),
     Alias("model_name_or_path", "model", "TRL"),
     Alias("dataset_name", "dataset", "TRL"),
-    Alias("datasets", "dataset", "axolotl", values="a list of datasets: a mixture (README: Data)"),
+    Alias("datasets", "dataset", "axolotl", values="a list of datasets: a mixture (see \"Mixtures\")"),
     Alias("dataset_num_proc", "num_proc", "TRL"),
     Alias("field_messages", "messages_field", "axolotl"),
 )
