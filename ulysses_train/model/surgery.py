@@ -9,7 +9,7 @@ modules it expects to patch, and the lever and flag that ask for it.
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
 | SwiGLU | the forward of each MLP computing down(silu(gate) * up), by the fused product | every dense `*.mlp` |
 | tiled MLP | the forward of each dense MLP, by DeepSpeed's TiledMLP over sequence tiles | every dense `*.mlp` |
-| DeltaNet SP | the forward of each Gated DeltaNet mixer, by the Ulysses one (sp/deltanet.py), under --sp_size > 1 | every `linear_attention` layer's mixer |
+| DeltaNet SP | the forward of each Gated DeltaNet mixer, by the Ulysses one (sp/deltanet.py), under --sp_size > 1 or --packing (restarting at documents) | every `linear_attention` layer's mixer |
 
 What a module computes decides whether it is patched (model/matching.py), not how its code is spelt. A lever the
 policy turned on that patches no module is an error naming its flag when the flag asked for it, and under `auto`
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -161,16 +162,21 @@ def install_fused_mlp(model: nn.Module) -> int:
     return patched
 
 
-def install_deltanet_sp(model: nn.Module, sp_group) -> int:
-    """Every Gated DeltaNet mixer runs its conv and recurrence over the whole sequence for its rank's heads
-    (sp/deltanet.py); nothing is patched without an SP group of more than one rank. A module lacking what the SP
-    forward reads is a TypeError naming the transformers version, before any step."""
-    if group_size(sp_group) == 1:
+def install_deltanet_sp(model: nn.Module, sp_group, documents=None) -> int:
+    """Every Gated DeltaNet mixer runs its conv and recurrence over the whole sequence for its rank's heads, and
+    restarts them at each packed document (sp/deltanet.py). Installed under an SP group of more than one rank, or
+    with `documents` (the Ulysses attention, whose `doc_lengths` the mixers read: packing) at any SP size; otherwise
+    nothing is patched. A module lacking what the SP forward reads is a TypeError naming the transformers version,
+    before any step."""
+    sp = group_size(sp_group)
+    if sp == 1 and documents is None:
         return 0
     mixers = [m for m in model.modules() if is_deltanet(m) and type(m) not in _SUBCLASSES.values()]
     for module in mixers:
         module._sp_layout = deltanet_layout(module)
-        module._sp_group, module._sp_rank = sp_group, torch.distributed.get_rank(sp_group)
+        module._sp_group = sp_group if sp > 1 else None
+        module._sp_rank = torch.distributed.get_rank(sp_group) if sp > 1 else 0
+        module._sp_documents = None if documents is None else weakref.ref(documents)
         _swap_class(module, "SequenceParallel", {"forward": deltanet_forward})
     return len(mixers)
 
@@ -211,7 +217,8 @@ PATCHES = {
                     lambda m: sum(n.endswith("self_attn") for n, _ in m.named_modules())),
     "SwiGLU": Patch("SwiGLU", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
     "tiled MLP": Patch("tiled MLP", "tiled_mlp", "--tiled_mlp", lambda m: len(_dense_mlps(m))),
-    # not a lever: installed whenever --sp_size > 1 (install_deltanet_sp), one per `linear_attention` layer
+    # not a lever: installed whenever --sp_size > 1 or --packing (install_deltanet_sp), one per `linear_attention`
+    # layer
     "DeltaNet SP": Patch("DeltaNet SP", "", "--sp_size",
                          lambda m: list(getattr(m.config, "layer_types", None) or []).count("linear_attention")),
 }
@@ -225,15 +232,16 @@ class SurgeryReport:
         return ", ".join(f"{name} {done}/{want}" for name, (done, want) in self.counts.items())
 
 
-def apply_sp_patches(model: nn.Module, sp_group, report: SurgeryReport) -> None:
-    """The patches sequence parallelism needs beyond the attention function (today the DeltaNet mixers), recorded
-    in `report`; a model whose mixers this transformers no longer lets us patch, all of them, stops here."""
-    if group_size(sp_group) == 1:
+def apply_sp_patches(model: nn.Module, sp_group, report: SurgeryReport, documents=None) -> None:
+    """The patches sequence parallelism and packing need beyond the attention function (today the DeltaNet mixers;
+    `documents`: the Ulysses attention when packing), recorded in `report`; a model whose mixers this transformers
+    no longer lets us patch, all of them, stops here."""
+    if group_size(sp_group) == 1 and documents is None:
         return
     expected = PATCHES["DeltaNet SP"].expected(model)
     if not expected:
         return
-    done = install_deltanet_sp(model, sp_group)
+    done = install_deltanet_sp(model, sp_group, documents)
     if done != expected:
         raise RuntimeError(f"DeltaNet SP patched {done} of the {expected} `linear_attention` layers' mixers of this "
                            f"{type(model).__name__} (model/surgery.py): the others would run on their own shard")

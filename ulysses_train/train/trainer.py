@@ -184,7 +184,8 @@ class Trainer:
         self.offload = HostOffload() if levers.offload_activations else None
         self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
                                                  cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
-        apply_sp_patches(model, self.groups.ulysses_group, self.surgery)  # the same group as the attention's
+        # the same group as the attention's; with packing the DeltaNet mixers read its documents, at SP=1 too
+        apply_sp_patches(model, self.groups.ulysses_group, self.surgery, self.attention if cfg.packing else None)
         if self.levers.why:
             self.log("levers: " + "; ".join(f"{lever} {reason}" for lever, reason in self.levers.why.items()))
         return model
