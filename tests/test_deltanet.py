@@ -198,3 +198,36 @@ def test_each_familys_mixer_has_what_the_sp_forward_reads_and_a_changed_one_fail
     del mixers[0].dt_bias
     with pytest.raises(TypeError, match=f"transformers {transformers.__version__} lacks dt_bias"):
         layout_of(mixers[0])
+
+
+def test_verify_passes_for_the_deltanet_families_at_sp2_packed_and_not(tmp_path):
+    """`--verify` (the trainer as configured: ZeRO-3, every lever the policy picks, our fused loss) at SP=2 against
+    plain transformers, one trainer after another in one launch: Qwen3.5 on one sequence; Qwen3.5-MoE (with its
+    router's load-balancing loss) and Qwen3-Next on packed rows of pre-tokenized documents, whose reference runs
+    each document alone (train/verify.py: forward_by_document)."""
+    import json
+
+    from tests.test_verify import _check
+
+    data = tmp_path / "docs.jsonl"
+    lengths = [23, 2, 41, 17, 30, 9, 50, 12]  # packed first-fit into 64-token rows: several documents a row
+    g = torch.Generator().manual_seed(3)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(3, 96, (n,), generator=g).tolist()}) + "\n"
+                            for n in lengths))
+    settings = []
+    for name, packed in (("qwen3_5_text", False), ("qwen3_5_moe_text", True), ("qwen3_next", True)):
+        config = any_tiny_config(name)
+        config.output_router_logits = name == "qwen3_5_moe_text"
+        config.vocab_size = 259 if packed else config.vocab_size  # the byte tokenizer's ids (its pad and EOS)
+        path = tmp_path / f"{name}.json"
+        path.write_text(config.to_json_string())
+        argv = ["--model_config", str(path), "--sp_size", "2", "--verify_seq_len", "64", "--ds_config",
+                "ds_configs/zero3.json"]
+        if packed:
+            argv += ["--dataset", str(data), "--tokenizer", "bytes", "--packing", "--seq_len", "64",
+                     "--data_cache_dir", str(tmp_path / "cache")]
+        settings.append(argv)
+    results = run_distributed(_check, 2, settings, str(tmp_path), use_deepspeed=True)[0]
+    for (name, _), result in zip((("qwen3_5_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_next", 1)), results):
+        assert result["passed"], (name, result)
+        assert "sp 2 x dp 1" in result["setup"], name

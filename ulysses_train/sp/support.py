@@ -87,6 +87,9 @@ ROUTER_AUX_LOSS = {"qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
 
 # layer types whose token mixer is not attention, with what they are (the refusal names them)
 LINEAR_MIXERS = {"linear_attention": "Gated DeltaNet"}
+# families whose packed row in plain transformers lets documents attend each other (GPT-OSS's mask ignores the
+# restarting positions): a packed reference of them (--verify, the tests) runs each document alone
+PACKED_ROW_MIXES_DOCUMENTS = {"gpt_oss"}
 # layer type -> the families whose mixer of that type runs exactly under Ulysses (deltanet.py, tests/test_deltanet.py)
 SHARDED_MIXERS = {"linear_attention": {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}}
 
