@@ -97,7 +97,8 @@ def _sharded(rank, world, cases):
 
     from tests.distributed import summed_over
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
-    from ulysses_train.model.surgery import install_deltanet_sp, install_loss_head
+    from ulysses_train.model.surgery import install_deltanet_mixers, install_loss_head
+    from ulysses_train.sp.linear_kernel import LinearKernel
     from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.sharding import shard_sequence
 
@@ -110,7 +111,7 @@ def _sharded(rank, world, cases):
         model.load_state_dict(state)
         install_loss_head(model, fused=True, chunk_size=16)
         attention.doc_lengths = None if docs is None else [docs]
-        patched = install_deltanet_sp(model, group, attention if docs else None)
+        patched = install_deltanet_mixers(model, group, LinearKernel("torch"), attention if docs else None)
         labels, positions = _packed_inputs(ids, docs) if docs else (None, None)
         shard = shard_sequence(ids, world, rank, labels=labels, position_ids=positions)
         loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
@@ -231,3 +232,22 @@ def test_verify_passes_for_the_deltanet_families_at_sp2_packed_and_not(tmp_path)
     for (name, _), result in zip((("qwen3_5_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_next", 1)), results):
         assert result["passed"], (name, result)
         assert "sp 2 x dp 1" in result["setup"], name
+
+
+def test_linear_kernel_choice_on_the_cpu():
+    """auto falls back to transformers' torch rule with the reason; fla asked for where it cannot run is a
+    ConfigError naming the flag; the torch rule is transformers' own function even where `fla` would bind."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from ulysses_train.sp.linear_kernel import LinearKernel, choose_linear_kernel
+
+    rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    auto = choose_linear_kernel("auto", torch.device("cpu"), rule)
+    assert auto.name == "torch" and "FLA's kernels run on CUDA, not on cpu" in auto.why
+    with pytest.raises(ConfigError, match="--linear_kernel fla: FLA's kernels run on CUDA"):
+        choose_linear_kernel("fla", torch.device("cpu"), rule)
+    model = _model("qwen3_5_text", "eager")
+    mixer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    assert LinearKernel("torch").rule(mixer) is rule

@@ -21,11 +21,14 @@ weight rather than this rank's slice of them; z never moves.
 Packed documents (`--packing`) restart both the conv and the recurrence at each document, as if each ran alone
 (transformers' torch fallback ignores the `cu_seqlens` its layer passes, so plain transformers on a packed row lets
 the state flow across documents; the reference is each document run alone). The document lengths are the
-attention's (`UlyssesAttention.doc_lengths`, set per batch), so this mixer runs whenever packing is on, at SP=1 too:
+attention's (`UlyssesAttention.doc_lengths`, set per batch):
 - the conv: each document's channels get K-1 zeros in front of them, the whole batch as one row, then the module's
   own kernel, then the inserted positions dropped: every output is the one its document alone gives, bit for bit;
 - the recurrence: FLA's kernel takes the documents as `cu_seqlens` (the batch flattened to one row); the torch
-  fallback runs document by document.
+  rule runs document by document.
+
+The rule's kernel is the run's `--linear_kernel` (linear_kernel.py: FLA's on CUDA, or transformers' torch rule), so
+the mixer is installed on every DeltaNet layer, at SP=1 and unpacked too (the all-to-alls are then the identity).
 
 Head blocks are contiguous, as in attention.py: rank r holds value heads [r*nv/sp, (r+1)*nv/sp). transformers
 gives value head j the key head j // (nv/nk) (`repeat_interleave` in its gated delta rule), so these value heads
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .all_to_all import all_to_all, group_size
+from .linear_kernel import LinearKernel
 
 # what the SP forward reads from a transformers DeltaNet module, and from its modeling file
 MODULE_ATTRIBUTES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv1d",
@@ -145,19 +149,14 @@ def _conv_by_document(conv, mixed: torch.Tensor, weight, bias, activation, start
     return out.reshape(channels, batch, length).transpose(0, 1)
 
 
-def _accepts_documents(rule) -> bool:
-    """Whether the gated delta rule the modeling file chose is FLA's, which restarts at `cu_seqlens`."""
-    return (getattr(rule, "__module__", "") or "").startswith("fla")
-
-
-def _rule_by_document(rule, q, k, v, g, beta, starts: torch.Tensor) -> torch.Tensor:
+def _rule_by_document(kernel: LinearKernel, rule, q, k, v, g, beta, starts: torch.Tensor) -> torch.Tensor:
     """The gated delta rule restarting at every document: q, k (b, s, nk, dk), v (b, s, nv, dv), g, beta (b, s, nv)
-    -> (b, s, nv, dv). FLA's kernel in one call over the flattened batch; the torch fallback per document."""
+    -> (b, s, nv, dv). FLA's kernel in one call over the flattened batch; the torch rule per document."""
     batch, length = q.shape[:2]
     flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
     bounds = torch.cat([starts, torch.tensor([batch * length])])
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
-    if _accepts_documents(rule):
+    if kernel.takes_documents:
         out, _ = rule(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=bounds.to(q.device), **options)
     else:
         pieces = [rule(*(x[:, a:b] for x in flat[:3]), g=flat[3][:, a:b], beta=flat[4][:, a:b], **options)[0]
@@ -168,9 +167,9 @@ def _rule_by_document(rule, q, k, v, g, beta, starts: torch.Tensor) -> torch.Ten
 
 def _local_mixer(self, q, k, v, g, beta, keys: range, values: range,
                  doc_lengths: Optional[list[list[int]]] = None) -> torch.Tensor:
-    """The causal conv and the gated delta rule over the whole sequence for this rank's heads, with the kernels of
-    the module's modeling file (its torch fallback, or FLA's, which transformers picks when installed); with packed
-    documents each restarts at every document. q, k (b, s, nk_r, dk), v (b, s, nv_r, dv), g and beta (b, s, nv_r)
+    """The causal conv and the gated delta rule over the whole sequence for this rank's heads: the conv of the
+    module's modeling file, the rule of the run's --linear_kernel (linear_kernel.py); with packed documents each
+    restarts at every document. q, k (b, s, nk_r, dk), v (b, s, nv_r, dv), g and beta (b, s, nv_r)
     -> (b, s, nv_r, dv)."""
     kernels = sys.modules[type(self).__module__]
     channels = _conv_channels(self, keys, values)
@@ -186,9 +185,9 @@ def _local_mixer(self, q, k, v, g, beta, keys: range, values: range,
     q, k, v = torch.split(mixed.transpose(1, 2), [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
     q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
     v = v.reshape(batch, length, -1, self.head_v_dim)
-    rule = kernels.torch_chunk_gated_delta_rule
+    rule = self._sp_kernel.rule(self)
     if starts is not None:
-        return _rule_by_document(rule, q, k, v, g, beta, starts)
+        return _rule_by_document(self._sp_kernel, rule, q, k, v, g, beta, starts)
     out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=True)
     return out
