@@ -69,12 +69,12 @@ def test_fla_mixer_in_bf16_matches_the_torch_rule_in_fp32(packed, monkeypatch):
     from ulysses_train.sp.sharding import shard_sequence
 
     _fla_or_skip()
+    attention = register_ulysses_attention(None, "sdpa")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(), attn_implementation="ulysses").cuda()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(3, 512, (1, SEQ), generator=torch.Generator().manual_seed(1)).cuda()
     docs = DOCS if packed else [SEQ]
-    attention = register_ulysses_attention(None, "sdpa")
     attention.doc_lengths = [docs] if packed else None
     model.to(torch.bfloat16)
     install_loss_head(model)

@@ -186,6 +186,8 @@ def _local_mixer(self, q, k, v, g, beta, keys: range, values: range,
     q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
     v = v.reshape(batch, length, -1, self.head_v_dim)
     rule = self._sp_kernel.rule(self)
+    if not self._sp_kernel.grouped_values and q.shape[2] != v.shape[2]:  # value head j reads key head j // group
+        q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
     if starts is not None:
         return _rule_by_document(self._sp_kernel, rule, q, k, v, g, beta, starts)
     out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,

@@ -43,6 +43,12 @@ class LinearKernel:
         return inspect.unwrap(sys.modules[type(module).__module__].torch_chunk_gated_delta_rule)
 
     @property
+    def grouped_values(self) -> bool:
+        """Whether the rule takes fewer key heads than value heads itself (FLA's does; transformers' torch rule
+        does only in some versions, so the mixer repeats the key heads for it)."""
+        return self.name == "fla"
+
+    @property
     def takes_documents(self) -> bool:
         """Whether one call restarts at `cu_seqlens` (else the mixer calls it document by document)."""
         return self.name == "fla"
@@ -96,7 +102,8 @@ def _compare(device: torch.device, torch_rule: Callable) -> Optional[str]:
     grad_out = rand(1, length, nv, d).to(torch.bfloat16)
     fla_out = chunk_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=bounds, **options)[0]
     fla_grads = torch.autograd.grad(fla_out, inputs, grad_out)
-    ref_out = torch.cat([torch_rule(*(x[:, a:b].float() for x in inputs[:3]), g=inputs[3][:, a:b],
+    q, k = (x.repeat_interleave(nv // nk, dim=2) for x in inputs[:2])  # the torch rule's heads, as the mixer's
+    ref_out = torch.cat([torch_rule(*(x[:, a:b].float() for x in (q, k, inputs[2])), g=inputs[3][:, a:b],
                                     beta=inputs[4][:, a:b].float(), **options)[0]
                          for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())], dim=1)
     ref_grads = torch.autograd.grad(ref_out, inputs, grad_out.float())
