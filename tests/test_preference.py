@@ -366,3 +366,18 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_trainers(pair_batch):
         chosen = sum(side_logp(model, p["prompt_chosen"], p["chosen_mask"], torch.float64)
                      for p in unpack_pairs(pair_batch))
     assert stats["nll_loss"] == pytest.approx(-float(chosen) / float(pair_batch["scored"][:, 0].sum()), rel=1e-5)
+
+
+def test_planner_counts_a_pair_row_and_the_reference_pass():
+    from ulysses_train.tools.plan_command import Machine, command, evaluate
+    from ulysses_train.tools.time_model import Constants
+
+    machine, tokens = Machine(1, 140 * 2**30, 128 * 2**30), 65536
+    flags = ["--model_config", "qwen3-4b", "--seq_len", str(tokens), "--loss_kernel", "ours", "--dataset", "x"]
+    sft = evaluate(command(flags, machine), machine, Constants())
+    dpo = evaluate(command(flags + ["--method", "dpo"], machine), machine, Constants())
+    # two documents of 32k tokens: half the query-key pairs of one of 64k; the head's logits made twice
+    assert dpo.time["parts"]["attention"] == pytest.approx(sft.time["parts"]["attention"] / 2, rel=1e-9)
+    assert dpo.time["parts"]["loss"] == pytest.approx(sft.time["parts"]["loss"] * 8 / 6, rel=1e-9)
+    assert dpo.memory["gpu"]["loss"] - sft.memory["gpu"]["loss"] == 2 * tokens * 2560 * 2 + 24 * tokens
+    assert 0 < dpo.time["reference_pass_row_s"] < dpo.time["total"] / 2  # a forward alone
