@@ -1,10 +1,11 @@
-"""Preference training through the trainer under SP: DPO and SimPO at SP=4 and SP=2 x DP=2 reproduce one process step
-by step (loss, gradient norm, TRL's metrics; the reference log-probs computed under each SP size agree), `--verify`
-passes for DPO, SimPO and ORPO on conversational pairs (DPO's cached reference log-probs checked against plain
-transformers too), and a resumed DPO run computes its reference from the initial weights, not the checkpoint's.
+"""Preference training through the trainer under SP: DPO and SimPO at SP=4 reproduce one process step by step
+(loss, gradient norm, TRL's metrics; the reference log-probs computed under SP=4 and in one process agree),
+`--verify` passes for DPO (SP=2 x DP=2, two pairs a micro-batch), SimPO (Ulysses 2 x ring 2) and ORPO on
+conversational pairs (DPO's cached reference log-probs checked against plain transformers too), and a resumed DPO
+run computes its reference from the initial weights, not the checkpoint's.
 
 Two launches: four gloo ranks for the sharded runs, one for the single-process ones, each running several trainers
-in turn. Packed rows of 128 tokens hold three or four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
+in turn. Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
 the ranks."""
 
 import glob
@@ -76,12 +77,11 @@ def _argv(files, tmp, cache, method="dpo", data="pairs", *extra):
 def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     tmp = str(files["folder"])
     sharded = [("dpo_sp4", _argv(files, tmp, "sp4", "dpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
-               ("dpo_sp2", _argv(files, tmp, "sp2", "dpo", "pairs", "--sp_size", "2")),
                ("simpo_sp4", _argv(files, tmp, "sp4", "simpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
                ("verify_dpo", _argv(files, tmp, "chat", "dpo", "chats", "--sp_size", "2", "--verify",
                                     "--verify_seq_len", "256", "--micro_batch_size", "2", "--loss_type", "ipo")),
-               ("verify_simpo", _argv(files, tmp, "chat", "simpo", "chats", "--sp_size", "4", "--verify",
-                                      "--verify_seq_len", "256")),
+               ("verify_simpo", _argv(files, tmp, "chat", "simpo", "chats", "--sp_size", "4", "--ring_size", "2",
+                                      "--verify", "--verify_seq_len", "256")),
                ("verify_orpo", _argv(files, tmp, "chat", "orpo", "chats", "--sp_size", "2", "--verify",
                                      "--verify_seq_len", "256", "--loss", "plain"))]
     four = run_distributed(_run, 4, sharded, tmp, use_deepspeed=True)[0]
@@ -91,18 +91,18 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
                                    "--resume", os.path.join(tmp, "dpo", "checkpoints", "step_00000002")))]
     one = run_distributed(_run, 1, single, tmp, use_deepspeed=True)[0]
     # sequences straddle the SP ranks: a packed row of three or more pairs, 128 tokens over 4 ranks
-    for ours, theirs in (("dpo_sp4", "dpo"), ("dpo_sp2", "dpo"), ("simpo_sp4", "simpo")):
+    for ours, theirs in (("dpo_sp4", "dpo"), ("simpo_sp4", "simpo")):
         records, reference = four[ours]
         expected, expected_reference = one[theirs]
         assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"], ours
         for r, e in zip(records, expected):
             assert (r["num_tokens"], r["conversations"]) == (e["num_tokens"], e["conversations"])
-            assert r["conversations"] >= 4  # two micro-batches (or DP ranks) of packed rows, several pairs each
+            assert r["conversations"] >= 4  # two micro-batches of packed rows, several pairs each
             assert r["loss"] == pytest.approx(e["loss"], rel=1e-5) and r["grad_norm"] == pytest.approx(
                 e["grad_norm"], rel=1e-4), (ours, r, e)
             for key, value in e["preference"].items():
                 assert r["preference"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours, key)
-        if reference is not None:  # computed under SP 4 (2) and in one process: the same log-probs
+        if reference is not None:  # computed under SP 4 and in one process: the same log-probs
             assert np.allclose(reference, expected_reference, rtol=1e-6)
     assert four["dpo_sp4"][0][0]["preference"]["rewards/margins"] == 0.0  # the policy starts as the reference
     assert one["dpo"][0][-1]["preference"]["rewards/accuracies"] > 0.5
@@ -113,6 +113,7 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     assert four["verify_dpo"][0]["reference_logps"]["compared"]
     assert four["verify_dpo"][0]["reference_logps"]["ours"] < 1e-6
     assert "sp 2 x dp 2" in four["verify_dpo"][0]["setup"] and four["verify_dpo"][0]["sequences"] == 4
+    assert "sp 4 (Ulysses 2 x ring 2)" in four["verify_simpo"][0]["setup"]
     # the resumed run recomputed its reference (the cache was removed) from the initial weights: step 3 again
     resumed, reference = one["resume_one"]
     assert [r["step"] for r in resumed] == [3]
