@@ -86,7 +86,7 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
                                      "--verify_seq_len", "256", "--loss", "plain"))]
     four = run_distributed(_run, 4, sharded, tmp, use_deepspeed=True)[0]
     single = [("dpo", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2")),
-              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2")),
+              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2", "--save_final", "false")),
               ("resume_one", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2",
                                    "--resume", os.path.join(tmp, "dpo", "checkpoints", "step_00000002")))]
     one = run_distributed(_run, 1, single, tmp, use_deepspeed=True)[0]
