@@ -77,7 +77,7 @@ PRESETS: dict[str, dict] = {
                                                          "attention_factor": 1.2079441541679836, "beta_fast": 32.0,
                                                          "beta_slow": 1.0, "rope_theta": 500_000.0},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}}),
-    # Qwen/Qwen3.5-9B (text_config): 3 Gated DeltaNet : 1 gated attention layers (Ulysses SP, no ring nor packing:
+    # Qwen/Qwen3.5-9B (text_config): 3 Gated DeltaNet : 1 gated attention layers (Ulysses SP and packing, no ring:
     # sp/support.py)
     "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,

@@ -20,6 +20,7 @@ from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KIND
 from ..levers.preference_loss import LOSS_TYPES, METHODS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
+from ..sp.linear_kernel import LINEAR_KERNELS
 from .ds_config import load_ds_config
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -121,6 +122,11 @@ class TrainConfig:
                                          "prompt's start, right: the completions' ends). Default: --seq_len / 2 (a "
                                          "row of --seq_len holds both sides of a pair).")
     # ---- memory levers ----
+    linear_kernel: str = _f("auto", "Kernel of the Gated DeltaNet layers' recurrence (Qwen3.5, Qwen3-Next). fla: "
+                                    "flash-linear-attention's (CUDA; pip install -e \".[fla]\"; on Hopper with "
+                                    "Triton < 3.7.1 it needs tilelang too). torch: transformers' reference, any "
+                                    "device, much slower on a GPU. auto: fla where it runs and agrees with torch in a "
+                                    "self-check at start-up, else torch (the reason logged).", LINEAR_KERNELS)
     loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
                             "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
     loss_kernel: str = _f("auto", "Whose fused loss runs. liger: Liger-Kernel's fused linear cross-entropy (1.7x "
@@ -306,7 +312,7 @@ FREE_SETTINGS = frozenset({
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "tiled_mlp",
     "mlp_tile_tokens", "share_master_weights", "lean_norm", "fused_kernels", "offload_activations",
-    "loss_chunk_size", "loss_kernel"})
+    "loss_chunk_size", "loss_kernel", "linear_kernel"})
 
 
 def ring_size_number(value: str) -> Optional[int]:

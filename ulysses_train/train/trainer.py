@@ -192,7 +192,11 @@ class Trainer:
         self.offload = HostOffload() if levers.offload_activations else None
         self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
                                                  cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
-        apply_sp_patches(model, self.groups.ulysses_group, self.surgery)  # the same group as the attention's
+        # the same group as the attention's; with packing the DeltaNet mixers read its documents
+        self.linear_kernel = apply_sp_patches(model, self.groups.ulysses_group, self.surgery, self.device,
+                                              cfg.linear_kernel, self.attention if cfg.packing else None)
+        if self.linear_kernel is not None and self.linear_kernel.why:
+            self.log(f"linear_kernel {self.linear_kernel.why}")
         if self.levers.why:
             self.log("levers: " + "; ".join(f"{lever} {reason}" for lever, reason in self.levers.why.items()))
         return model
@@ -281,7 +285,8 @@ class Trainer:
         loss = f"{lv.loss} ({lv.loss_kernel})" if lv.loss == "fused" else lv.loss
         layers = self.model_config.num_hidden_layers
         checkpointed = f"{lv.checkpointed(layers)} of {layers} layers" if lv.checkpointing else "off"
-        deltanet = f" | DeltaNet SP mixers: {counts['DeltaNet SP'][0]}" if "DeltaNet SP" in counts else ""
+        deltanet = (f" | DeltaNet mixers: {counts['DeltaNet mixer'][0]} ({self.linear_kernel.name})"
+                    if "DeltaNet mixer" in counts else "")
         return (f"loss {loss} | checkpointing {checkpointed} (attention kept: {lv.keep_attention}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}{deltanet}")

@@ -190,13 +190,15 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
             continue
         inputs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
                   "use_cache": False}
+        docs = batch.get("docs") if documents_apart(model_config) else None
+        logits, aux = forward_by_document(model, inputs, docs) if docs else _forward(model, inputs)
         if dtype == torch.float32:  # the model's own logits, the cross-entropy in fp64: see fp64_cross_entropy_sum
-            out = model(**inputs)
-            share = fp64_cross_entropy_sum(out.logits, shift_labels(batch["labels"]).to(device)) / max(1, sum(counts))
-            if getattr(out, "aux_loss", None) is not None:  # a MoE's load-balancing loss, as transformers adds it
-                share = share + model_config.router_aux_loss_coef * out.aux_loss * (count / max(1, sum(counts)))
-        else:  # transformers' own loss: this batch's mean
-            share = model(**inputs, labels=batch["labels"].to(device)).loss * (count / max(1, sum(counts)))
+            share = fp64_cross_entropy_sum(logits, shift_labels(batch["labels"]).to(device)) / max(1, sum(counts))
+        else:  # transformers' own loss function: this batch's mean
+            share = model.loss_function(logits, batch["labels"].to(device), model_config.vocab_size)
+            share = share * (count / max(1, sum(counts)))
+        if aux is not None:  # a MoE's load-balancing loss, as transformers adds it
+            share = share + model_config.router_aux_loss_coef * aux * (count / max(1, sum(counts)))
         share.backward()
         total += share.item()
     grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
@@ -206,6 +208,47 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return total, grads, buffers
+
+
+def documents_apart(model_config) -> bool:
+    """Whether plain transformers on a packed row would let documents see each other, so that its packed reference
+    runs each document alone: layers that are not attention (its torch DeltaNet ignores the documents) or a family
+    whose packed mask ignores the restarting positions (support.py: PACKED_ROW_MIXES_DOCUMENTS)."""
+    from ..sp.support import PACKED_ROW_MIXES_DOCUMENTS, layer_mixers
+
+    return (model_config.model_type in PACKED_ROW_MIXES_DOCUMENTS
+            or any(not m.attention for m in layer_mixers(model_config)))
+
+
+def _forward(model, inputs: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    out = model(**inputs)
+    return out.logits, getattr(out, "aux_loss", None)
+
+
+def forward_by_document(model, inputs: dict, docs: list[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The logits (b, s, V) of every document of every row run alone, side by side as in the packed row, and the
+    MoE load-balancing loss of all of them together (the router statistics of the whole batch, as transformers
+    takes them over a row). Each document's positions restart, as the packed row's do."""
+    import sys
+
+    rows, routers = [], []
+    balanced = getattr(model.config, "output_router_logits", False)
+    for r, lengths in enumerate(docs):
+        pieces, start = [], 0
+        for n in (n for n in lengths if n):
+            out = model(input_ids=inputs["input_ids"][r:r + 1, start:start + n],
+                        position_ids=inputs["position_ids"][r:r + 1, start:start + n], use_cache=False)
+            pieces.append(out.logits)
+            if balanced:
+                routers.append(out.router_logits)
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    aux = None
+    if routers:  # per layer, the tokens of every document
+        layers = tuple(torch.cat([doc[i] for doc in routers], dim=0) for i in range(len(routers[0])))
+        balance = sys.modules[type(model).__module__].load_balancing_loss_func
+        aux = balance(layers, model.num_experts, model.num_experts_per_tok, None)
+    return torch.cat(rows, dim=0), aux
 
 
 def _ce_fp64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
