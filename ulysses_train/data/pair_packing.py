@@ -113,11 +113,12 @@ class PreferenceSamples:
         return slice(start + cut, start + length) if self.truncation == "left" else slice(start, start + length - cut)
 
     def sample(self, i: int) -> PairRow:
-        pieces = [(p, side, self._piece(p, side)) for p in self.pairs(i) for side in (0, 1)]
-        ids = np.concatenate([np.asarray(self.store.tokens[s], dtype=np.int64) for _, _, s in pieces])
-        trained = np.concatenate([np.asarray(self.store.trained[s], dtype=bool) for _, _, s in pieces])
-        local = np.concatenate([np.full(s.stop - s.start, 2 * (k // 2) + side) for k, (_, side, s) in
-                                enumerate(pieces)])
+        """Row i: its pairs' sides in order (chosen, rejected, next pair's chosen, ...), then the padding."""
+        pieces = [self._piece(p, side) for p in self.pairs(i) for side in (0, 1)]
+        ids = np.concatenate([np.asarray(self.store.tokens[s], dtype=np.int64) for s in pieces])
+        trained = np.concatenate([np.asarray(self.store.trained[s], dtype=bool) for s in pieces])
+        # piece k is side k % 2 of the row's pair k // 2: its sequence number is k
+        local = np.concatenate([np.full(s.stop - s.start, k) for k, s in enumerate(pieces)])
         valid = len(ids)
         out = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
         out[:valid] = torch.from_numpy(ids)
@@ -125,7 +126,7 @@ class PreferenceSamples:
         labels[:valid] = torch.from_numpy(np.where(trained, ids, IGNORE_INDEX))
         segments = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         segments[:valid] = torch.from_numpy(np.where(trained, local, IGNORE_INDEX))
-        docs = [s.stop - s.start for _, _, s in pieces] + ([self.seq_len - valid] if valid < self.seq_len else [])
+        docs = [s.stop - s.start for s in pieces] + ([self.seq_len - valid] if valid < self.seq_len else [])
         return PairRow(out, valid, docs, labels, segments, self.pairs(i))
 
     def describe(self) -> str:

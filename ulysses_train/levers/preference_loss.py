@@ -164,7 +164,7 @@ class PreferenceObjective:
             raise RuntimeError("a scored token belongs to no sequence: the segments do not match the labels")
         if self.spec is None or not (torch.is_grad_enabled() and hidden.requires_grad):
             logps, _ = token_logps(hidden[rows], weight, labels[rows], head.chunk_size, head.softcap)
-            self.sums = self.reduce(self._partial(logps, segments[rows]).detach())
+            self.sums = self.reduce(self.partial_sums(logps, segments[rows]).detach())
             return hidden.new_zeros((), dtype=torch.float32) if self.spec is None else \
                 (self.loss(self.sums) / self.sp_size).float()
         if head.fused:
@@ -172,7 +172,7 @@ class PreferenceObjective:
                                           head.softcap)
         return self._plain(hidden, weight, labels, segments, rows, head.softcap)
 
-    def _partial(self, logps: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    def partial_sums(self, logps: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """(P, 2): this rank's tokens' log-probs summed per sequence, in fp64."""
         partial = torch.zeros(2 * self.pairs, dtype=torch.float64, device=logps.device)
         return partial.index_add(0, segments, logps.to(torch.float64)).view(self.pairs, 2)
@@ -184,7 +184,7 @@ class PreferenceObjective:
 
         logits = cap_logits(_at_least_fp32(hidden[rows] @ weight.t()), softcap)
         logps = torch.log_softmax(logits, dim=-1).gather(1, labels[rows][:, None]).squeeze(1)
-        partial = self._partial(logps, segments[rows])
+        partial = self.partial_sums(logps, segments[rows])
         sums = partial + (self.reduce(partial.detach()) - partial.detach())
         loss = self.loss(sums)
         return (loss - loss.detach() * (1 - 1 / self.sp_size)).float()  # value loss / sp, gradient of the loss
@@ -250,7 +250,7 @@ class _FusedPreference(torch.autograd.Function):
         # hidden (n, H), weight (V, H), labels and segments (n,), rows: the scored positions (k,)
         h, y = hidden.index_select(0, rows), labels[rows]
         logps, lse = token_logps(h, weight, y, chunk_size, softcap)  # pass 1
-        sums = objective.reduce(objective._partial(logps, segments[rows]))
+        sums = objective.reduce(objective.partial_sums(logps, segments[rows]))
         with torch.enable_grad():
             sums = sums.detach().requires_grad_()
             loss = objective.loss(sums)

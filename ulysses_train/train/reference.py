@@ -105,10 +105,13 @@ def reference_logps(run) -> np.ndarray:
     folder = os.path.join(samples.store.folder, "reference")
     path = os.path.join(folder, f"{key}.npy")
     found = [run.rank == 0 and _read(path, samples.num_pairs) is not None]
-    dist.broadcast_object_list(found, src=0)
-    if found[0]:
+    dist.broadcast_object_list(found, src=0)  # every rank reads the file, or every rank computes
+    values = _read(path, samples.num_pairs) if found[0] else None
+    if values is not None:
         run.log(f"reference: log-probs of {samples.num_pairs:,} pairs read from {path}")
-        return _read(path, samples.num_pairs)
+        return values
+    if found[0]:
+        raise RuntimeError(f"rank {run.rank} cannot read {path}, which rank 0 read: is --data_cache_dir shared?")
     start = time.perf_counter()
     values = reference_pass(run)
     seconds = time.perf_counter() - start
