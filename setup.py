@@ -15,7 +15,9 @@ setup(
                       "liger-kernel>=0.8.5; platform_system == 'Linux'"],
     extras_require={
         # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
-        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny"],
+        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny",
+                 # the preference losses are checked against TRL's trainers' own loss code (internal: one minor)
+                 "trl>=1.16,<1.17"],
         "track": ["tensorboard", "wandb", "mlflow-skinny"],  # --report_to
         "flash": ["flash-attn"],
         "fa4": ["flash-attn-4"],  # FlashAttention-4 (Hopper, Blackwell): --attn_kernel auto picks it when installed

@@ -57,6 +57,10 @@ class _Loader:
                                   f"{self.vocab_size}: use a matching --tokenizer or --model_config")
             with unreadable_dataset_is_a_config_error(dataset):
                 corpus = load_corpus(dataset, split, cfg.streaming)
+                if cfg.method != "sft":  # preference pairs: data/preference.py
+                    from .preference import preference_source
+
+                    return tokenizer, preference_source(cfg, corpus, tokenizer, dataset, split, self.seq_len, self.log)
                 fmt = detect_format(dataset_columns(corpus), cfg.data_format, cfg.text_column)
             if fmt == "text":
                 return tokenizer, self._text_source(tokenizer, corpus)

@@ -156,9 +156,11 @@ class LMHeadWithLoss(nn.Linear):
     kernel: str = "ours"  # of the fused loss: "liger" trains on Liger-Kernel's; without autograd ours runs
     softcap: Optional[float] = None  # the model's final logit softcap (Gemma 2), applied before the loss
 
-    def forward(self, hidden, labels=None, normalizer=None):
+    def forward(self, hidden, labels=None, normalizer=None, objective=None):
         if labels is None:  # the causal LM applies its own softcap to these
             return super().forward(hidden)
+        if objective is not None:  # preference training: a loss of whole sequences (levers/preference_loss.py)
+            return objective(hidden, self.weight, labels, self)
         if self.kernel == "liger" and self.bias is None and hidden.requires_grad and torch.is_grad_enabled():
             return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.softcap)
         if self.bias is not None:

@@ -133,9 +133,10 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
 
 
 def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
-             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1) -> dict:
+             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1,
+             pairs: bool = False) -> dict:
     """Bytes per GPU (and per host, for all local ranks' offloads) of each component; `ring`: --ring_size (sp is
-    then Ulysses sp / ring x ring)."""
+    then Ulysses sp / ring x ring); `pairs`: preference training's head (tools/preference_plan.py)."""
     t = math.ceil(seq_len / sp)  # tokens per rank
     ulysses = sp // ring
     n, b = g["params"], act_bytes
@@ -169,6 +170,10 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
     layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b))
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
+    if pairs:
+        from .preference_plan import preference_loss_bytes
+
+        loss = preference_loss_bytes(g, t, loss_chunk, b)
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
     ring_buffers = ring_bytes(g, t, sp, ring, b)
     on_gpu_ckpt = 0 if levers.offload_activations else checkpoints

@@ -25,6 +25,7 @@ from ..sp.support import check_support
 from ..model.geometry import geometry
 from ..sp import dims
 from .plan import estimate, fits, fits_on
+from .preference_plan import pair_documents, preference_step_time, report_lines
 from .time_model import Constants, Run, step_time
 
 TOP = 5  # plans --fastest prints
@@ -110,12 +111,14 @@ def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[in
     sp, levers, micro = sp or c.sp, levers or c.levers, micro or c.micro
     accum = c.micro * c.accum // micro
     cfg = c.cfg
+    pairs = cfg.method != "sft"  # preference rows: tools/preference_plan.py
     memory = estimate(c.g, micro * cfg.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.loss_chunk_size,
                       tile_tokens=cfg.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes,
-                      ring=c.ring if sp == c.sp else 1)
-    run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage,
+                      ring=c.ring if sp == c.sp else 1, pairs=pairs)
+    docs = pair_documents(cfg.seq_len, cfg.max_length or cfg.seq_len // 2, micro) if pairs else None
+    run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage, docs=docs,
               act_bytes=c.act_bytes)
-    time = step_time(run, constants)
+    time = preference_step_time(run, constants) if pairs else step_time(run, constants)
     sequences = machine.gpus // sp * micro * accum
     return Plan(sp, micro, accum, levers, memory, time, fits(memory, machine.gpu_mem, machine.host_mem),
                 time["total"] / sequences)
@@ -200,6 +203,8 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
                      f"time model yet)")
     lines.append(f"  {'overlapped copies, collectives':<32}" + ", ".join(
         f"{k} {v:.2f} s" for k, v in plan.time["overlapped"].items()))
+    if cfg.method != "sft":
+        lines += report_lines(cfg.method, cfg.max_length or cfg.seq_len // 2, plan.time, machine.gpus, plan.sp)
     return "\n".join(lines)
 
 

@@ -382,3 +382,19 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     communication = parts["all-to-all"] + parts["exposed copies and collectives"]
     return {"total": total, "parts": parts, "communication_share": communication / total,
             "overlapped": {k: v * run.accum for k, v in hidden_comm.items()}}
+
+
+def forward_time(run: Run, c: Constants = Constants()) -> float:
+    """Seconds of one micro-batch's forward alone on one rank, without a gradient (DPO's reference pass,
+    train/reference.py): every layer once with its ZeRO-3 gather overlapped, and the head's log-probs (2 x T x
+    vocabulary x hidden at our loss's rate)."""
+    g = run.g
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    total = 2 * t * g["vocab"] * g["hidden"] / (c.loss_tflops * 1e12)
+    for shape in g["layer_shapes"]:
+        p = _pass(run, c, shape)
+        gather = 0.0
+        if run.zero_stage == 3:
+            gather = 2 * shape.params * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
+        total += max(p.linear_fwd + p.attn_fwd + p.elem_fwd + p.a2a, gather)
+    return total

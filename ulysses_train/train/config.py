@@ -17,6 +17,7 @@ from ..errors import ConfigError
 
 from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KINDS
+from ..levers.preference_loss import LOSS_TYPES, METHODS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
 from ..sp.linear_kernel import LINEAR_KERNELS
@@ -106,6 +107,20 @@ class TrainConfig:
     max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables). Default: the DS config's "
                                               "gradient_clipping, else 1.0.")
     dtype: str = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.", DTYPES)
+    # ---- preference training (train/preference.py) ----
+    method: str = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference Optimization "
+                            "on prompt/chosen/rejected pairs against the reference (the initial weights; their "
+                            "log-probs computed once per dataset under SP and cached beside the tokens). simpo, "
+                            "orpo: reference-free (README: \"Preference training\").", METHODS)
+    beta: float = _f(0.1, "The preference loss's beta (TRL's): DPO's KL weight, SimPO's reward scale, ORPO's "
+                          "odds-ratio weight.")
+    loss_type: str = _f("sigmoid", "DPO's loss, as TRL names it: sigmoid (DPO), ipo (IPO, per-token means), hinge "
+                                   "(SLiC).", LOSS_TYPES)
+    simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma (TRL's simpo_gamma).")
+    max_length: Optional[int] = _f(None, "Preference pairs: the most tokens of one side (prompt + completion), TRL's "
+                                         "max_length; a longer side is an error or cut by --truncation (left: the "
+                                         "prompt's start, right: the completions' ends). Default: --seq_len / 2 (a "
+                                         "row of --seq_len holds both sides of a pair).")
     # ---- memory levers ----
     linear_kernel: str = _f("auto", "Kernel of the Gated DeltaNet layers' recurrence (Qwen3.5, Qwen3-Next). fla: "
                                     "flash-linear-attention's (CUDA; pip install -e \".[fla]\"; on Hopper with "
@@ -236,6 +251,9 @@ class TrainConfig:
                               ("truncation", "error")):
             if getattr(self, name) != default and not self.dataset:
                 raise ConfigError(f"--{name} needs --dataset (generated tokens train every token)")
+        from .preference import check_preference_flags
+
+        check_preference_flags(self)  # --method, --beta, --loss_type, --simpo_gamma, --max_length
         for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 
 from ..data.load import load_source
+from ..data.pair_packing import preference_batch
 from ..data.sources import SyntheticSource, build_batch, global_sample_index, sample_order
 from ..errors import ConfigError
 from ..levers.loss import CausalLMWithSPLoss, sp_backward_scale
 from ..levers.master_weights import share_master_weights
 from ..levers.offload import HostOffload
 from ..levers.policy import DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..levers.preference_loss import PreferenceLMWithSPLoss
 from ..levers.rope import configure_rope
 from ..model.buffers import restore_fp32_buffers
 from ..model.build import attention_heads, build_model, load_model_config
@@ -42,6 +44,8 @@ from .resume import apply_schedule, plan_run, training_settings
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
+from .preference import preference_spec
+from .reference import reference_logps
 from .launcher import exit_now
 from .preflight import preflight
 from .run_lock import RunLock
@@ -124,7 +128,7 @@ class Trainer:
         self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
         # before the data and the model: a layer this run cannot make exact stops it here (sp/support.py)
         self.layers = check_support(self.model_config, sp_size, ring_size, self.kernel, self.device.type,
-                                    cfg.packing)
+                                    cfg.packing or cfg.method != "sft")  # a pair's two sides are documents
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
         raw_ds = load_ds_config(cfg.ds_config)
         self.ds = resolve_ds_config(raw_ds, cfg, explicit, parallel.dp_size, sp_size, self.model_config.hidden_size,
@@ -147,9 +151,13 @@ class Trainer:
         self.attention = register_ulysses_attention(self.groups.ulysses_group, self.kernel, self.groups.ring_group)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
-        self.module = CausalLMWithSPLoss(self._build_model(), self.groups.sp_group)
+        self.spec = preference_spec(cfg)  # None for SFT
+        module = CausalLMWithSPLoss if self.spec is None else PreferenceLMWithSPLoss
+        self.module = module(self._build_model(), self.groups.sp_group)
         self.engine = self._init_engine()
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
+        # DPO's reference: the weights before any checkpoint is loaded (train/reference.py)
+        self.reference = reference_logps(self) if self.spec is not None and self.spec.uses_reference else None
         self.start_step = self._resume()
         # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
         after_engine = restore_fp32_buffers(self.module, self.dtype)
@@ -302,7 +310,7 @@ class Trainer:
         for r in range(self.micro):
             index = global_sample_index(step, micro_step, self.accum, dp_rank, g.dp_size, self.micro, r)
             rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
-        return build_batch(rows, self.cfg.packing)
+        return build_batch(rows, self.cfg.packing) if self.spec is None else preference_batch(rows, self.reference)
 
     def save(self, step: int) -> str:
         state = {"step": step, "data_position": step * self.accum * self.groups.dp_size * self.micro,

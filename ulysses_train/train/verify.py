@@ -147,11 +147,9 @@ def _supports_sdpa(model_config) -> bool:
     return getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)], "_supports_sdpa", True)
 
 
-def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                   device: torch.device) -> tuple[float, dict, dict]:
-    """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
-    (fp32, CPU) and the model's own buffers. Gradient checkpointing bounds the memory; it recomputes the
-    same ops."""
+def reference_model(model_config, weights: dict, dtype: torch.dtype, device: torch.device):
+    """Plain transformers on `weights`, in `dtype` on `device`, in training mode with gradient checkpointing (it
+    bounds the memory; it recomputes the same ops)."""
     from transformers import AutoModelForCausalLM
 
     # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
@@ -178,6 +176,14 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
             param.copy_(weights[name])
     model.to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
+                   device: torch.device) -> tuple[float, dict, dict]:
+    """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
+    (fp32, CPU) and the model's own buffers."""
+    model = reference_model(model_config, weights, dtype, device)
     total, counts = 0.0, [trainable_tokens(b) for b in batches]
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
         if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)
@@ -358,6 +364,10 @@ def format_report(result: dict) -> str:
     for key in STATS:
         lines.append(_row(LABELS[key], ours[key], theirs[key] if theirs else None, lim[key]))
     lines.append(f"  worst tensor (ours): {ours['worst_tensor']}")
+    if "reference_logps" in result:  # DPO (train/preference_verify.py)
+        from .preference_verify import format_reference_line
+
+        lines.append(format_reference_line(result["reference_logps"]))
     bad = result["buffer_mismatches"]
     lines.append(f"  buffers: {result['buffers']} compared with plain transformers', "
                  + (f"{len(bad)} differ: {', '.join(bad)}" if bad else "all equal"))
@@ -374,6 +384,15 @@ def verify(trainer) -> int:
     return 0 if run_verify(trainer)["passed"] else 1
 
 
+def _reference_for(trainer):
+    """reference_step, or for preference training its counterpart on whole pairs (train/preference_verify.py)."""
+    if trainer.spec is None:
+        return reference_step
+    from .preference_verify import PreferenceReference
+
+    return PreferenceReference(trainer.spec, weights_are_reference=trainer.start_step == 0)
+
+
 def run_verify(trainer) -> dict:
     """Runs the check (collective); every rank returns the result that rank 0 printed and wrote to verify.json."""
     import transformers
@@ -385,6 +404,7 @@ def run_verify(trainer) -> dict:
     shared = [None]
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
+        reference_step = _reference_for(trainer)
         ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
                                                           trainer.device)
         ours = relative_errors(loss, grads, ref_loss, ref_grads)
@@ -397,7 +417,9 @@ def run_verify(trainer) -> dict:
         failed = [LABELS[k] for k in STATS if not getattr(ours, k) <= lim[k]]
         bad_buffers = buffer_mismatches(buffers, ref_buffers)
         failed += ["buffers"] if bad_buffers else []
-        result = {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
+        checks, more = reference_step.check(truth, trainer.dtype) if hasattr(reference_step, "check") else ({}, [])
+        failed += more
+        result = checks | {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
                   "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
                   "transformers_version": transformers.__version__,
