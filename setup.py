@@ -21,5 +21,7 @@ setup(
         "track": ["tensorboard", "wandb", "mlflow-skinny"],  # --report_to
         "flash": ["flash-attn"],
         "fa4": ["flash-attn-4"],  # FlashAttention-4 (Hopper, Blackwell): --attn_kernel auto picks it when installed
+        # the Gated DeltaNet kernels (--linear_kernel fla); on Hopper with Triton < 3.7.1 FLA's backward needs tilelang
+        "fla": ["flash-linear-attention>=0.6", "fla-core>=0.6", "tilelang; platform_system == 'Linux'"],
     },
 )
