@@ -94,10 +94,12 @@ class Constants:
     and a scatter of the tokens): not measured, an assumption."""
     attention: dict = field(default_factory=_h200_attention)
     """Kernel name (--attn_kernel) -> AttentionRates."""
-    linear_attention_tflops: float = 150.0
+    linear_attention_tflops: float = 6.4
     """A Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next), forward and backward, over the FLOPs
-    `_deltanet_flops` counts: a guess, not measured (the chunked kernels of flash-linear-attention run well below
-    the matmul ceiling); to be measured on a GPU."""
+    `_deltanet_flops` counts: an effective rate fitted on Qwen3.5-9B's steps on one H200 with flash-linear-attention
+    (`--linear_kernel fla`) at 64k and 131k tokens (docs/benchmarks.md), which it covers within 3%. It stands for
+    everything a DeltaNet layer does beyond its projections: the conv, the gates, the gated norm and FLA's chunked
+    kernels in the forward, the recompute and the backward, each small and far below the matmul ceiling."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: 0.44 s at 64k and 0.89 s at 131k in the profiles
     (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows). Our kernel (--loss_kernel ours)."""
