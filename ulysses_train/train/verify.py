@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..data.sources import trainable_tokens
 from ..errors import ConfigError
+from ..model.build import without_zero3
 from ..sp.sharding import IGNORE_INDEX, shift_labels
 from .faults import NonFiniteError
 from .loop import accumulate
@@ -92,19 +93,6 @@ def truth_dtype(dtype: torch.dtype, layers) -> torch.dtype:
 # ---------------------------------------------------------------- the reference
 
 
-@contextlib.contextmanager
-def _without_zero3():
-    """transformers builds inside `zero.Init` while an HfDeepSpeedConfig for ZeRO-3 lives; the reference must not."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    saved = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
-
-
 REFERENCE_FP32_ATTENTION = "sdpa_all_heads"
 
 
@@ -148,10 +136,13 @@ def _supports_sdpa(model_config) -> bool:
 
 
 def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                   device: torch.device) -> tuple[float, dict, dict]:
+                   device: torch.device, adapters=None, base_model: Optional[str] = None) -> tuple[float, dict, dict]:
     """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
     (fp32, CPU) and the model's own buffers. Gradient checkpointing bounds the memory; it recomputes the
-    same ops."""
+    same ops. With `adapters` (model/adapters.py: --use_peft) the model is PEFT's (`get_peft_model`, the same
+    LoraConfig and modules_to_save) with our adapters' weights, and the gradients are those of the trainable
+    parameters, under our names; with --load_in_4bit the base is quantized from `base_model` as ours was (the same
+    weights give the same NF4 blocks), and the weights that are not 4-bit are copied."""
     from transformers import AutoModelForCausalLM
 
     # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
@@ -164,20 +155,35 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
         attention = REFERENCE_FP32_ATTENTION
     # fp64: transformers' grouped-matmul experts take no fp64, its eager loop does (the same sums)
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    with _without_zero3(), _no_init_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
-                                                 attn_implementation=attention, **experts)
+    quantized = adapters is not None and adapters.spec.load_in_4bit
+    with without_zero3(), _no_init_weights():
+        if quantized:
+            from ..model.adapters import quantization_config
+
+            model = AutoModelForCausalLM.from_pretrained(base_model, config=copy.deepcopy(model_config), dtype=dtype,
+                                                         attn_implementation=attention,
+                                                         quantization_config=quantization_config(dtype),
+                                                         device_map={"": device})
+        else:
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
+                                                     attn_implementation=attention, **experts)
     model.tie_weights()  # part of the initialisation skipped above
+    plain = model
+    base = weights if adapters is None else _base_weights(weights)
     params = dict(model.named_parameters())  # tied weights once
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    missing, unexpected = sorted(set(params) - set(base)), sorted(set(base) - set(params))
     if missing or unexpected:
         raise RuntimeError(f"--verify: the engine's weights do not fit a plain {type(model).__name__}: missing "
                            f"{missing}, unexpected {unexpected}")
     with torch.no_grad():
         for name, param in params.items():  # one tensor at a time: no second copy of the model in host memory
-            param.copy_(weights[name])
-    model.to(device).train()
+            if not (quantized and type(param).__name__ == "Params4bit"):
+                param.copy_(base[name])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    names = None
+    if adapters is not None:
+        model, names = _with_peft(model, adapters, weights)
+    model.to(device).train()
     total, counts = 0.0, [trainable_tokens(b) for b in batches]
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
         if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)
@@ -193,13 +199,51 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
             share = model(**inputs, labels=batch["labels"].to(device)).loss * (count / max(1, sum(counts)))
         share.backward()
         total += share.item()
-    grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
-             for n, p in model.named_parameters()}
-    buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
-    del model
+    named = dict(model.named_parameters(remove_duplicate=False))
+    names = names or {n: n for n in dict(model.named_parameters())}
+    grads = {ours: (named[theirs].grad.detach().float().cpu() if named[theirs].grad is not None
+                    else torch.zeros(named[theirs].shape)) for ours, theirs in names.items()}
+    buffers = {n: b.detach().cpu() for n, b in plain.named_buffers()}
+    del model, plain
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return total, grads, buffers
+
+
+def _base_weights(weights: dict) -> dict:
+    """The transformers names and values of the base model's weights among ours (adapters left out)."""
+    from ..model.adapters import base_name
+
+    return {base_name(n): w for n, w in weights.items() if base_name(n) is not None}
+
+
+def _with_peft(model, adapters, weights: dict):
+    """`model` wrapped by PEFT with our adapters' config, our adapters' (and trained modules') weights copied in;
+    returns it and {our name: its name} of every trainable parameter."""
+    from peft import get_peft_model
+
+    from ..model.adapters import peft_name
+
+    peft = get_peft_model(model, adapters.lora_config(), autocast_adapter_dtype=False)
+    theirs = dict(peft.named_parameters(remove_duplicate=False))
+    trained = {n for n, p in theirs.items() if p.requires_grad}
+    names = {}
+    with torch.no_grad():
+        for name, value in weights.items():
+            target = peft_name(name, adapters.saved_modules)
+            if ".lora_" in name or target in theirs and target in trained:
+                theirs[target].copy_(value)
+                names[name] = target
+    missed = trained - {theirs_name for theirs_name in names.values()} - _tied_aliases(theirs, names)
+    if missed:
+        raise RuntimeError(f"--verify: PEFT trains parameters ours does not: {sorted(missed)}")
+    return peft, names
+
+
+def _tied_aliases(params: dict, names: dict) -> set:
+    """Names of parameters that are the same tensor as one already mapped (tied embeddings' copies)."""
+    mapped = {id(params[t]) for t in names.values()}
+    return {n for n, p in params.items() if id(p) in mapped}
 
 
 def _ce_fp64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -254,10 +298,13 @@ def _gather_weights(engine, rank: int) -> dict:
 
 
 def _gather_grads(engine, rank: int) -> dict:
+    """The gradient of every trained parameter (all of them, but the frozen base under --use_peft), on rank 0."""
     from deepspeed.utils import safe_get_full_grad
 
     out = {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = safe_get_full_grad(param)
         if rank == 0:
             out[name.removeprefix("model.")] = (grad.detach().float().cpu() if grad is not None
@@ -274,6 +321,10 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     g, rank = trainer.groups, trainer.rank
     batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
     require_targets(trainer, batches)
+    if trainer.adapters is not None:  # zero B (at initialisation) would leave A without a gradient to compare
+        from ..model.adapters import randomize_lora_b
+
+        randomize_lora_b(trainer.module, trainer.cfg.seed + step)
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
     loss, _, skipped = accumulate(trainer, step + 1, finish=False)
@@ -304,11 +355,19 @@ def _row(name: str, ours: float, theirs: Optional[float], limit: float) -> str:
     return f"  {name:<26}{ours:>12.2e}{theirs_text}{limit:>12.2e}  {verdict}"
 
 
+def _peft_version() -> str:
+    import peft
+
+    return peft.__version__
+
+
 def format_report(result: dict) -> str:
     ours, theirs, lim = result["ours"], result.get("transformers"), result["limits"]
     lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s) "
              f"({result['targets']:,} targets), {result['dtype']}, {result['setup']}",
-             f"  reference: plain transformers {result['transformers_version']}, {result.get('reference_attention', 'SDPA')} "
+             f"  reference: plain transformers {result['transformers_version']}"
+             + (f" + PEFT {result['peft_version']} (LoRA-B drawn non-zero)" if result.get("peft_version") else "")
+             + f", {result.get('reference_attention', 'SDPA')} "
              f"attention, same weights and tokens; "
              f"{result.get('truth', 'fp32')} loss {result['reference_loss']:.6f}, ours {result['loss']:.6f}",
              f"  {'error vs ' + result.get('truth', 'fp32'):<26}{'ours':>12}{'transformers':>14}{'limit':>12}"]
@@ -342,13 +401,14 @@ def run_verify(trainer) -> dict:
     shared = [None]
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
+        extra = (trainer.adapters, trainer.cfg.model)
         ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
-                                                          trainer.device)
+                                                          trainer.device, *extra)
         ours = relative_errors(loss, grads, ref_loss, ref_grads)
         theirs = None
         if trainer.dtype != truth:  # its buffers are the ones ours must equal
             t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, trainer.dtype,
-                                                          trainer.device)
+                                                          trainer.device, *extra)
             theirs = relative_errors(t_loss, t_grads, ref_loss, ref_grads)
         lim = limits(trainer.dtype, theirs)
         failed = [LABELS[k] for k in STATS if not getattr(ours, k) <= lim[k]]
@@ -358,6 +418,7 @@ def run_verify(trainer) -> dict:
                   "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
                   "transformers_version": transformers.__version__,
+                  "peft_version": _peft_version() if trainer.adapters is not None else None,
                   "reference_attention": "SDPA" if _supports_sdpa(trainer.model_config) else "eager",
                   "loss": loss, "reference_loss": ref_loss, "truth": "fp64" if truth == torch.float64 else "fp32",
                   "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),
