@@ -43,6 +43,7 @@ from ..errors import ConfigError
 ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "default"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_MODULES = "adapter_modules.json"  # which modules are LoRA'd and trained whole, for export
 EMBEDDINGS = ("embed_tokens", "lm_head")  # PEFT's EMBEDDING_LAYER_NAMES: tied copies are kept tied
 NF4_BYTES = 0.5 + 4 / 64  # a 4-bit weight and its block's fp32 absmax (64 weights a block, no double quantization)
 
@@ -332,6 +333,6 @@ def base_name(name: str) -> Optional[str]:
 def save_adapter_config(adapters: Adapters, folder: str, base_model: Optional[str]) -> None:
     """adapter_config.json (PEFT's own) and the module lists, beside the checkpoint's config.json."""
     adapters.lora_config(base_model).save_pretrained(folder)
-    with open(os.path.join(folder, "adapter_modules.json"), "w") as f:
+    with open(os.path.join(folder, ADAPTER_MODULES), "w") as f:
         json.dump({"lora": adapters.lora_modules, "saved": adapters.saved_modules, "tied": adapters.tied}, f,
                   indent=1)

@@ -59,6 +59,7 @@ class Errors:
     grad_median: float
     grad_max: float
     worst_tensor: str
+    tensors: int = 0  # compared: every parameter whose reference gradient is not zero
 
 
 def grad_norm(grads: dict) -> float:
@@ -74,7 +75,7 @@ def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) 
     norm, ref_norm = grad_norm(grads), grad_norm(ref_grads)
     worst = max(per_tensor, key=per_tensor.get)
     return Errors(abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / ref_norm,
-                  statistics.median(per_tensor.values()), per_tensor[worst], worst)
+                  statistics.median(per_tensor.values()), per_tensor[worst], worst, len(per_tensor))
 
 
 def limits(dtype: torch.dtype, transformers_errors: Optional[Errors]) -> dict:
