@@ -220,3 +220,59 @@ def test_adapter_settings_a_user_can_get_wrong_are_named():
                           (["--use_peft", "--lora_dropout", "0.1", "--verify"], "verify with --lora_dropout 0")):
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)[0].validate()
+
+
+def test_the_planner_counts_what_lora_changes(capsys):
+    """Frozen weights in bf16 without gradient, master or optimizer state, the adapters with all of them (counted
+    as PEFT counts them), no head gradient in the loss, a third less matmul work, and `plan --longest --use_peft`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.levers.policy import Levers
+    from ulysses_train.model.adapters import NF4_BYTES, AdapterSpec, adapter_geometry
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.model.geometry import geometry
+    from ulysses_train.tools.plan import estimate, main
+    from ulysses_train.tools.time_model import Run, step_time
+
+    config = load_model_config(None, "qwen3-0.6b")
+    full = geometry(config)
+    lora = dict(full, adapters=adapter_geometry(config, AdapterSpec()))
+    a = lora["adapters"]
+    with torch.device("meta"):
+        peft = get_peft_model(AutoModelForCausalLM.from_config(config),
+                              LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    assert a["trainable"] == a["lora"] == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    # r x (in + out) of q (1024 -> 2048), k, v (1024 -> 1024), o (2048 -> 1024), gate, up (1024 -> 3072), down
+    assert a["lora"] == 16 * (3072 + 2 * 2048 + 3072 + 2 * 4096 + 4096) * 28
+    assert a["frozen_matmul"] == a["matmul"] and not a["head_trainable"] and a["quantized"] == 0
+    levers = Levers(loss_kernel="ours")
+    est_full, est_lora = estimate(full, 65536, 1, 1, levers), estimate(lora, 65536, 1, 1, levers)
+    gathered = 4 * full["layer_params"]
+    assert est_full["gpu"]["model states"] == 16 * full["params"] + gathered
+    assert est_lora["gpu"]["model states"] == 2 * full["params"] + 16 * a["trainable"] + gathered
+    assert est_full["gpu"]["loss"] - est_lora["gpu"]["loss"] == full["vocab"] * full["hidden"] * 4
+    time_full, time_lora = (step_time(Run(g, 65536, 1, 1, levers)) for g in (full, lora))
+    # forward, recompute and the input's gradient: 3 of full fine-tuning's 4 passes of the linear layers
+    assert time_lora["parts"]["matmul"] == pytest.approx(0.75 * time_full["parts"]["matmul"])
+    assert time_lora["parts"]["loss"] == pytest.approx(2 / 3 * time_full["parts"]["loss"])
+    assert 0 < time_lora["parts"]["adapters"] < time_lora["parts"]["matmul"]  # bandwidth-bound, not small here
+    assert time_lora["parts"]["optimizer"] < time_full["parts"]["optimizer"] / 10
+    qlora = dict(full, adapters=adapter_geometry(config, AdapterSpec(load_in_4bit=True)))
+    nf4 = qlora["adapters"]["quantized"]
+    assert nf4 == sum(s.matmul_params for s in full["layer_shapes"])  # every decoder linear, not the head
+    assert estimate(qlora, 65536, 1, 1, levers)["gpu"]["model states"] == pytest.approx(
+        est_lora["gpu"]["model states"] - gathered - nf4 * (2 - NF4_BYTES) + 2 * full["layer_params"] * NF4_BYTES
+        + 2 * full["inter"] * full["hidden"])
+    # the optimizer states on the GPU (an offloaded optimizer would leave both runs the same bf16 weights there)
+    plan = ["--model_config", "qwen3-0.6b", "--gpus", "1", "--gpu_mem_gib", "16", "--longest", "--ds_config",
+            os.path.join(os.path.dirname(os.path.dirname(__file__)), "ds_configs", "zero3.json")]
+    assert main(plan) == 0
+    longest_full = capsys.readouterr().out
+    assert main(plan + ["--use_peft"]) == 0
+    longest_lora = capsys.readouterr().out
+    assert "(10.1M trained: LoRA r 16)" in longest_lora
+
+    def tokens(out):
+        return int(out.split("longest sequence that fits: ")[1].split(" tokens")[0].replace(",", ""))
+    assert tokens(longest_lora) > tokens(longest_full)

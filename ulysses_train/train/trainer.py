@@ -99,14 +99,7 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: to
         world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
         fits = fits_on(g, cfg.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
                        choices.get("zero_stage", 3), micro, dtype.itemsize)
-    levers = resolve_levers(LeverRequest.from_config(cfg), g, local_tokens, dtype.itemsize, device, choices, fits)
-    if cfg.use_peft and cfg.lora_dropout and levers.tiled_mlp:
-        # the tiled MLP recomputes each tile in the backward without the forward's random state: other dropout masks
-        if cfg.tiled_mlp == "on":
-            raise ConfigError("--tiled_mlp on recomputes the MLP in the backward with other dropout masks than the "
-                              "forward's: use --lora_dropout 0 or --tiled_mlp off")
-        levers = levers.off("tiled_mlp", "auto: off, --lora_dropout draws masks its recompute would not repeat")
-    return levers
+    return resolve_levers(LeverRequest.from_config(cfg), g, local_tokens, dtype.itemsize, device, choices, fits)
 
 
 class Trainer:
