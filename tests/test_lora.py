@@ -111,8 +111,10 @@ def launched(tmp_path_factory, base):
         common + ["--sp_size", "2", "--grad_accum", "2", "--model_config", str(untied), "--lora_r", "8",
                   "--lora_alpha", "16", "--lora_target_modules", LINEARS + ",lm_head",
                   "--lora_modules_to_save", "embed_tokens,norm", "--loss_chunk_size", "37"],
-        # the same with Liger-Kernel's loss (Triton's interpreter), the head frozen
+        # Liger-Kernel's loss (Triton's interpreter) with the head frozen (the CUDA default), and with it LoRA'd
         common + ["--sp_size", "2", "--model_config", str(untied), "--loss_kernel", "liger"],
+        common + ["--sp_size", "4", "--model_config", str(untied), "--loss_kernel", "liger",
+                  "--lora_target_modules", "q_proj,down_proj,lm_head"],
     ]
     return run_distributed(_launch, 4, settings, base, str(tmp), use_deepspeed=True)[0], tmp
 
@@ -126,7 +128,7 @@ def test_lora_under_sp_and_zero3_equals_transformers_and_peft(launched):
         # every trained tensor compared: A's gradients are not zero (B drawn), nor are B's
         assert result["ours"]["tensors"] == len(trainable), (result["ours"], trainable)
         assert any(".lora_A." in n for n in trainable) and all(".base_layer." not in n for n in trainable)
-    first, head, liger = results["verify"]
+    first, head, liger, liger_head = results["verify"]
     assert "sp 4 x dp 1" in first["setup"] and "tiled MLP: True" in first["setup"]
     assert "attention kept: True" in first["setup"] and "checkpointing 1 of 2 layers" in first["setup"]
     assert "lean norms: 9" in first["setup"]
@@ -138,7 +140,9 @@ def test_lora_under_sp_and_zero3_equals_transformers_and_peft(launched):
           ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"))}
     assert "sp 2 x dp 2" in head["setup"] and head["sequences"] == 4 and "loss fused (ours)" in head["setup"]
     assert "lm_head.lora_A.default.weight" in results["trainable"][1]
-    assert "loss fused (liger)" in liger["setup"]
+    assert "loss fused (liger)" in liger["setup"] and "loss fused (liger)" in liger_head["setup"]
+    assert not any("lm_head" in n for n in results["trainable"][2])  # frozen
+    assert "lm_head.lora_B.default.weight" in results["trainable"][3]
 
 
 def test_lora_checkpoints_resume_bit_exact_and_hold_only_what_is_trained(launched):
@@ -276,3 +280,68 @@ def test_the_planner_counts_what_lora_changes(capsys):
     def tokens(out):
         return int(out.split("longest sequence that fits: ")[1].split(" tokens")[0].replace(",", ""))
     assert tokens(longest_lora) > tokens(longest_full)
+
+
+def test_the_fused_loss_skips_a_frozen_heads_gradient():
+    """A frozen head (LoRA's default) costs the fused loss no (vocab x hidden) product nor buffer, and the hidden
+    states' gradient is the plain loss's; a trained head still gets its gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ulysses_train.levers.loss import fused_linear_cross_entropy, plain_loss
+
+    class HeadSized(TorchDispatchMode):
+        """Counts the ops whose output has the head's shape (its gradient's products and buffers)."""
+
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.count += isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 13, 16, generator=g), torch.randn(40, 16, generator=g)
+    labels = torch.randint(0, 40, (2, 13), generator=g)
+    labels[0, :4] = -100
+    normalizer = (labels != -100).sum().float()
+    h = hidden.clone().requires_grad_()
+    with HeadSized((40, 16)) as frozen:
+        fused_linear_cross_entropy(h, weight, labels, normalizer, chunk_size=5).backward()
+    reference = hidden.clone().requires_grad_()
+    plain_loss(reference @ weight.t(), labels, normalizer).backward()
+    torch.testing.assert_close(h.grad, reference.grad, rtol=1e-5, atol=1e-7)
+    assert frozen.count == 0 and weight.grad is None
+    trained = weight.clone().requires_grad_()
+    with HeadSized((40, 16)) as counted:
+        fused_linear_cross_entropy(hidden, trained, labels, normalizer, chunk_size=5).backward()
+    assert counted.count > 0 and trained.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+def test_lora_in_bf16_on_cuda_is_as_exact_as_transformers_and_peft(tmp_path, quantized):
+    """The trainer's first LoRA step on CUDA in bf16 with the levers at their defaults (our fused kernels, Liger's
+    loss with the head frozen, kept attention) and the offload, on a pretrained Qwen3-0.6B-shaped folder cut to 4
+    layers, at 4,096 tokens, against transformers + PEFT on the same weights (`--verify`); QLoRA: the base in NF4 on
+    both sides (bitsandbytes), quantized from the same folder."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_train_e2e import run
+    from ulysses_train.model.build import load_model_config
+
+    if quantized:
+        pytest.importorskip("bitsandbytes")
+    folder = tmp_path / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(load_model_config(None, "qwen3-0.6b", 4), dtype=torch.bfloat16).save_pretrained(
+        folder)
+    proc = run([sys.executable], ["--verify", "--model", str(folder), "--tokenizer", "bytes", "--use_peft",
+                                  "--lora_modules_to_save", "norm", "--seq_len", "4096", "--offload_activations"]
+               + (["--load_in_4bit"] if quantized else []), tmp_path / "out", expect_ok=False)
+    result = json.loads((tmp_path / "out" / "verify.json").read_text())
+    assert result["dtype"] == "bfloat16" and result["peft_version"] and not result["buffer_mismatches"], result
+    assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]

@@ -72,6 +72,10 @@ class AdapterSpec:
         """The run's adapters, or None without --use_peft."""
         if not cfg.use_peft:
             return None
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("--use_peft needs PEFT: pip install peft (or pip install -e \".[lora]\")")
         return cls(cfg.lora_r, float(cfg.lora_alpha), float(cfg.lora_dropout),
                    _names(cfg.lora_target_modules) or (ALL_LINEAR,), _names(cfg.lora_modules_to_save),
                    bool(cfg.load_in_4bit))
