@@ -5,8 +5,9 @@ One launch of 4 ranks builds several trainers (model/adapters.py, train/trainer.
 - `--verify` at SP=4 and at DP=2 x SP=2 with two micro-steps: one step against a single process of plain
   transformers + PEFT (`get_peft_model`, the same LoraConfig and modules_to_save) on the same weights and tokens,
   LoRA-B drawn non-zero so that A's gradients are not zero; the loss and every trainable parameter's gradient, under
-  ZeRO-3, with the levers (tiled MLP, kept attention, uncheckpointed layers, lean norms, our fused Triton kernels
-  through Triton's interpreter, the fused loss with a frozen head, with a LoRA'd head, and Liger-Kernel's);
+  ZeRO-3, with the levers (tiled MLP, kept attention, uncheckpointed layers, lean norms, our fused loss with a
+  trained and a LoRA'd head, Liger-Kernel's with a frozen and a LoRA'd one), and a MoE whose experts take PEFT's
+  adapters on their fused parameters;
   `--lora_modules_to_save embed_tokens,lm_head,norm` (every RMSNorm) on a tied model, embed_tokens,norm beside a
   LoRA'd head on an untied one;
 - training at DP=2 x SP=2 from a saved pretrained folder, checkpoints at steps 2 and 4, the trained model's logits
@@ -96,11 +97,13 @@ def base(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, base):
+    from tests.models import TINY
     from ulysses_train.model.build import PRESETS
 
     tmp = tmp_path_factory.mktemp("lora")
-    untied = tmp / "untied.json"
+    untied, moe = tmp / "untied.json", tmp / "moe.json"
     untied.write_text(json.dumps(dict(PRESETS["tiny"], tie_word_embeddings=False)))
+    moe.write_text(json.dumps(dict(TINY["qwen3_moe"], model_type="qwen3_moe")))
     common = ["--verify_seq_len", "128", "--use_peft"]
     settings = [
         # SP=4: every lever with the tied model, embeddings, LM head and every norm trained whole
@@ -115,6 +118,8 @@ def launched(tmp_path_factory, base):
         common + ["--sp_size", "2", "--model_config", str(untied), "--loss_kernel", "liger"],
         common + ["--sp_size", "4", "--model_config", str(untied), "--loss_kernel", "liger",
                   "--lora_target_modules", "q_proj,down_proj,lm_head"],
+        # a MoE: all-linear puts PEFT's adapters on the fused experts' parameters too
+        common + ["--sp_size", "2", "--model_config", str(moe)],
     ]
     return run_distributed(_launch, 4, settings, base, str(tmp), use_deepspeed=True)[0], tmp
 
@@ -127,8 +132,9 @@ def test_lora_under_sp_and_zero3_equals_transformers_and_peft(launched):
         assert result["ours"]["loss"] < 1e-5 and result["ours"]["grad_max"] < 1e-5  # fp32 on CPU: rounding only
         # every trained tensor compared: A's gradients are not zero (B drawn), nor are B's
         assert result["ours"]["tensors"] == len(trainable), (result["ours"], trainable)
-        assert any(".lora_A." in n for n in trainable) and all(".base_layer." not in n for n in trainable)
-    first, head, liger, liger_head = results["verify"]
+        assert any(".lora_A." in n for n in trainable)
+        assert all(".lora_" in n or ".base_layer." not in n for n in trainable)  # no frozen base weight trained
+    first, head, liger, liger_head, _ = results["verify"]
     assert "sp 4 x dp 1" in first["setup"] and "tiled MLP: True" in first["setup"]
     assert "attention kept: True" in first["setup"] and "checkpointing 1 of 2 layers" in first["setup"]
     assert "lean norms: 9" in first["setup"]
@@ -143,6 +149,7 @@ def test_lora_under_sp_and_zero3_equals_transformers_and_peft(launched):
     assert "loss fused (liger)" in liger["setup"] and "loss fused (liger)" in liger_head["setup"]
     assert not any("lm_head" in n for n in results["trainable"][2])  # frozen
     assert "lm_head.lora_B.default.weight" in results["trainable"][3]
+    assert "model.layers.1.mlp.experts.base_layer.lora_A.default.weight" in results["trainable"][4]
 
 
 def test_lora_checkpoints_resume_bit_exact_and_hold_only_what_is_trained(launched):
@@ -345,3 +352,37 @@ def test_lora_in_bf16_on_cuda_is_as_exact_as_transformers_and_peft(tmp_path, qua
     result = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert result["dtype"] == "bfloat16" and result["peft_version"] and not result["buffer_mismatches"], result
     assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_the_fused_kernels_run_the_adapters():
+    """Our fused SwiGLU, rotary and norm kernels (Triton's interpreter on the CPU) on a model with adapters compute
+    what PEFT's model does without them: the loss and every adapter's gradient, LoRA-B non-zero. The SwiGLU patch
+    calls the projections as modules, so PEFT's layers run inside it; without them the adapters would get nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+    from ulysses_train.levers.fused_kernels import kernels_run_on, triton_importable
+    from ulysses_train.model.adapters import AdapterSpec, add_adapters, randomize_lora_b
+    from ulysses_train.model.surgery import install_fused_mlp, install_fused_rotary, install_lean_norms
+
+    if not (triton_importable() and kernels_run_on(torch.device("cpu"))):
+        pytest.skip("Triton's interpreter is not available")
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+        add_adapters(model, AdapterSpec(r=4, alpha=8))
+        randomize_lora_b(model, seed=0, std=0.1)
+        if fused:
+            assert install_fused_mlp(model) == 2 and install_fused_rotary(model) == 2
+            assert install_lean_norms(model, fused=True) == 9
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (plain_loss, plain), (fused_loss, fused) = results
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    assert plain.keys() == fused.keys() and len(plain) == 28
+    for name in plain:
+        assert plain[name].abs().sum() > 0, name
+        torch.testing.assert_close(fused[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -14,9 +14,10 @@ the levers' surgery (model/surgery.py). What that gives:
   is missing (tests/test_lora.py fails then).
 - The levers keep working because every patch calls the projections as modules (the fused SwiGLU calls
   `self.gate_proj(x)`, which is now PEFT's LoRA layer; the rotary and norm patches touch no linear layer). A LoRA'd
-  LM head goes through the fused loss with its low-rank term (levers/loss.py: `LoRAHeadWithLoss`). Only
-  `nn.Linear` layers (and, with `--load_in_4bit`, bitsandbytes' 4-bit ones) may take adapters: a module whose weight
-  our code reads directly (the DeltaNet mixers' convolution) would silently skip its adapter, so it is refused.
+  LM head goes through the fused loss with its low-rank term (levers/loss.py: `lora_head_forward`). Only
+  `nn.Linear` layers (with `--load_in_4bit`, bitsandbytes' 4-bit ones) and a MoE's fused experts (PEFT's
+  `ParamWrapper`, which all-linear adds on transformers 5's experts) may take adapters: a module whose weight our
+  code reads directly (the DeltaNet mixers' convolution) would silently skip its adapter, so it is refused.
 - `--lora_modules_to_save` trains whole modules in place, with PEFT's matching (a module whose name ends with one
   of the names: `norm` takes every RMSNorm, LongLoRA's trainable norms). PEFT keeps a trainable copy beside a
   frozen original, which under ZeRO-3 would copy partitioned parameters; training the original in place computes
@@ -150,6 +151,12 @@ def _is_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "Linear4bit"  # bitsandbytes' (--load_in_4bit), without importing it
 
 
+def _is_expert_wrapper(module: nn.Module) -> bool:
+    """PEFT's LoRA on a module's 3D parameters (`ParamWrapper`: what all-linear puts on transformers' fused MoE
+    experts), which adds the low-rank term to the parameter inside the module's own forward."""
+    return type(module).__name__ == "ParamWrapper"
+
+
 def _linear_suffixes(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
 
@@ -229,10 +236,10 @@ def add_adapters(model: nn.Module, spec: AdapterSpec, input_grads: bool = True) 
     lora = [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
     for name in lora:
         base = model.get_submodule(name).get_base_layer()
-        if not _is_linear(base):
+        if not _is_linear(base) and not _is_expert_wrapper(model.get_submodule(name)):
             raise ConfigError(f"--lora_target_modules: {name} is a {type(base).__name__}; adapters go on linear "
-                              f"layers only (the trainer reads some other modules' weights directly, which would "
-                              f"skip an adapter)")
+                              f"layers (and a MoE's experts) only: the trainer reads some other modules' weights "
+                              f"directly, which would skip an adapter")
         clash = [s for s in saved if name == s or name.startswith(s + ".")]
         if clash:
             raise ConfigError(f"{name} is both LoRA'd (--lora_target_modules) and trained whole "
@@ -279,7 +286,8 @@ def adapter_geometry(model_config, spec: AdapterSpec) -> dict:
     """The sizes LoRA changes, counted on the model built on the meta device with the adapters injected (no memory,
     the exact modules PEFT takes): trainable parameters (adapters and modules trained whole), the adapters' own,
     per decoder layer the LoRA'd linears' input and output widths (what a token reads and writes through them) and
-    the base matmul weights that stay frozen, whether the LM head is trained (its gradient costs the fused loss a
+    the base matmul weights that stay frozen, the MoE expert weights PEFT adds a low-rank product to, whether the LM
+    head is trained (its gradient costs the fused loss a
     vocab x hidden fp32 buffer and a third of its FLOPs), and how many weights --load_in_4bit stores in NF4 (every
     linear layer of the decoder: bitsandbytes skips the LM head)."""
     from peft.tuners.lora import LoraLayer
@@ -292,23 +300,26 @@ def adapter_geometry(model_config, spec: AdapterSpec) -> dict:
         adapters = add_adapters(model, spec, input_grads=False)
     head = model.get_output_embeddings()
     layers = max(1, model_config.num_hidden_layers)
-    lora_in = lora_out = lora = head_lora = 0
+    lora_in = lora_out = lora = head_lora = expert_weights = 0
     for m in model.modules():
         if not isinstance(m, LoraLayer):
             continue
-        size = sum(p.numel() for p in m.parameters() if p.requires_grad)
+        size = sum(p.numel() for d in (m.lora_A, m.lora_B) for p in d.parameters())  # its own, not a nested one's
         if m is head:
             head_lora += size
-            continue
-        lora += size
-        lora_in, lora_out = lora_in + m.in_features, lora_out + m.out_features
+        elif _is_expert_wrapper(m):  # the low-rank product is added to the whole parameter, every forward
+            lora += size
+            expert_weights += getattr(m.get_base_layer(), m.parameter_name).numel()
+        else:
+            lora += size
+            lora_in, lora_out = lora_in + m.in_features, lora_out + m.out_features
     # the decoder's base linear layers (LoRA'd or not; not the adapters' own, nor the head)
     weights = {id(m.weight): m.weight for name, m in model.named_modules()
                if _is_linear(m) and ".layers." in f".{name}." and ".lora_" not in f".{name}"}
     frozen_matmul = sum(w.numel() for w in weights.values() if not w.requires_grad)
     head_weight = head.get_base_layer().weight if isinstance(head, LoraLayer) else head.weight
     return {"trainable": adapters.trainable, "lora": lora + head_lora, "head_lora": head_lora,
-            "lora_in": lora_in / layers, "lora_out": lora_out / layers,
+            "lora_in": lora_in / layers, "lora_out": lora_out / layers, "expert_weights": expert_weights / layers,
             "frozen_matmul": frozen_matmul / layers, "matmul": sum(w.numel() for w in weights.values()) / layers,
             "head_trainable": bool(head_weight.requires_grad),
             "quantized": sum(w.numel() for w in weights.values()) if spec.load_in_4bit else 0,
@@ -331,7 +342,9 @@ def base_name(name: str) -> Optional[str]:
     """The plain transformers name of a base weight of our model (None for an adapter's)."""
     if ".lora_" in name:
         return None
-    return name.replace(".base_layer.", ".")
+    while ".base_layer." in name:  # nested for a module with several adapted parameters (PEFT's ParamWrapper)
+        name = name.replace(".base_layer.", ".")
+    return name
 
 
 def save_adapter_config(adapters: Adapters, folder: str, base_model: Optional[str]) -> None:

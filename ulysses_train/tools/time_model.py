@@ -319,14 +319,16 @@ def _lora_seconds(run: Run, c: Constants, t: int) -> tuple[float, float]:
     reads its input for A, writes B's output and adds it to the base's (in + 3 out elements a token); the backward
     reads the output's gradient for B and for B's gradient, the input again for A's gradient, and adds its share of
     the input's gradient (2 out + 4 in); the rank-r matmuls' FLOPs (2 r (in + out) a token, twice that backward) at
-    the matmul rate. 0 without adapters."""
+    the matmul rate. A MoE's experts (PEFT's ParamWrapper) get B A added to their whole weights in each forward and
+    its gradient taken in the backward: three weight-sized passes each way. 0 without adapters."""
     adapters = run.g.get("adapters")
     if not adapters:
         return 0.0, 0.0
     lin, lout, r, b = adapters["lora_in"], adapters["lora_out"], adapters["rank"], run.act_bytes
     flops = 2 * t * r * (lin + lout) / (c.matmul_tflops * 1e12)
     hbm = c.hbm_tb_s * 1e12
-    return t * (lin + 3 * lout) * b / hbm + flops, t * (4 * lin + 2 * lout) * b / hbm + 2 * flops
+    experts = 3 * adapters.get("expert_weights", 0) * b / hbm
+    return t * (lin + 3 * lout) * b / hbm + flops + experts, t * (4 * lin + 2 * lout) * b / hbm + 2 * flops + experts
 
 
 def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dict:
