@@ -214,6 +214,11 @@ def test_adapter_settings_a_user_can_get_wrong_are_named():
         adapters(target_modules=("q_proj", "lm_head"))
     found = adapters(modules_to_save=("norm",))
     assert len(found.lora_modules) == 14 and len(found.saved_modules) == 9  # all-linear; every RMSNorm
+    # the frozen embedding's output requires grad (for checkpointing, as PEFT's enable_input_require_grads)
+    for input_grads in (True, False):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+        add_adapters(model, AdapterSpec(), input_grads=input_grads)
+        assert model.get_input_embeddings()(torch.tensor([[3, 4]])).requires_grad == input_grads
     with pytest.raises(ConfigError, match="--load_in_4bit: .* run on CUDA, not on cpu"):
         check_4bit(torch.device("cpu"))
     import importlib.util
