@@ -163,7 +163,10 @@ def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[
     from transformers import AutoModelForCausalLM
 
     if model:
-        extra = {"quantization_config": quantization} if quantization is not None else {}
+        extra = {}
+        if quantization is not None:  # quantized as it loads, on this rank's GPU (transformers builds a quantized
+            # model outside zero.Init; deepspeed.initialize then partitions its NF4 words like any parameter)
+            extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
         built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME,
                                                      **extra)
     else:
