@@ -103,12 +103,6 @@ class AdapterSpec:
                           base_model_name_or_path=base_model)
 
 
-def adapter_flag_values(cfg) -> dict:
-    return {"lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-            "lora_target_modules": cfg.lora_target_modules, "lora_modules_to_save": cfg.lora_modules_to_save,
-            "load_in_4bit": cfg.load_in_4bit}
-
-
 # ---------------------------------------------------------------- QLoRA
 
 
