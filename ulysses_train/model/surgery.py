@@ -3,7 +3,7 @@ modules it expects to patch, and the lever and flag that ask for it.
 
 | patch | replaces | expects |
 |---|---|---|
-| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying | the output embedding |
+| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying (a LoRA'd head: the base layer's, and the forward of PEFT's layer around it by `lora_head_forward`) | the output embedding |
 | checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours (`--checkpoint_layers N`: the layers after the first N are not checkpointed) | every decoder layer |
 | RMSNorm | the forward of each norm computing Llama's RMSNorm, by the lean (or fused) one | every `*RMSNorm` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
 from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits, triton_importable
 from ..levers.lean_norm import fused_forward, lean_forward
-from ..levers.loss import LMHeadWithLoss, backbone, liger_check
+from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
 from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
@@ -68,8 +68,18 @@ def _dense_mlps(model: nn.Module) -> list[nn.Module]:
 def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 4096, kernel: str = "ours"
                       ) -> nn.Module:
     """The LM head returns the SP loss when called with labels (levers/loss.py), logits otherwise; `kernel`: whose
-    fused loss ("ours" or "liger")."""
+    fused loss ("ours" or "liger"). A head with PEFT's LoRA layer around it (--lora_target_modules lm_head) keeps
+    it: the loss runs in the base layer with the adapters' low-rank term, whose B weights ZeRO-3 gathers for the
+    base layer's forward (registered as its external parameters, DeepSpeed's way for a weight another module
+    uses)."""
     head = model.get_output_embeddings()
+    if hasattr(head, "lora_B") and hasattr(head, "base_layer"):  # PEFT's LoRA layer
+        lora, head = head, head.get_base_layer()
+        _swap_class(lora, "LossHead", {"forward": lora_head_forward})
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+        for b in lora.lora_B.values():
+            register_external_parameter(head, b.weight)
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the model's output embedding is a {type(head).__name__}, not nn.Linear")
     head.__class__ = LMHeadWithLoss

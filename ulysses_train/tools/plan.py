@@ -3,6 +3,7 @@
     python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ring_size R]
         [--ds_config F]
     python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
+    python -m ulysses_train.plan --model_config qwen3-8b --gpus 1 --longest --use_peft [--load_in_4bit]   # LoRA
     python -m ulysses_train.plan --gpus 8 [--fastest] -- <flags of launch/train.py>   # that run (tools/plan_command.py)
     python -m ulysses_train.plan --calibrate FILE        # measure this machine's time constants (tools/calibrate.py)
 
@@ -27,6 +28,7 @@ from ..errors import ConfigError
 from ..sp.support import FAMILIES
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, checkpoint_bytes, kept_attention_bytes, \
     resolve_levers
+from ..model.adapters import NF4_BYTES
 from ..model.geometry import geometry
 from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
 from ..train.config import ring_size_number
@@ -77,12 +79,54 @@ def loss_bytes(g: dict, t: int, kernel: str, loss_chunk: int = 4096, b: int = 2)
     --loss_chunk_size rows. liger (from Liger-Kernel 0.8.5's algorithm; to be checked against measured peaks):
     one buffer of logits in the activation dtype, which its kernel overwrites with their gradient, for
     `liger_chunk_rows` rows; one fp32 loss per token; and at the end the fp32 head gradient cast to the weight's
-    dtype while both exist, which is the larger term when the chunk's logits are smaller than the head."""
-    v, h = g["vocab"], g["hidden"]
-    states = 2 * t * h * b + v * h * 4
+    dtype while both exist, which is the larger term when the chunk's logits are smaller than the head.
+
+    Under --use_peft (`g["adapters"]`) a frozen head has no gradient (neither kernel makes one); a LoRA'd head runs
+    as one head of hidden + r columns (levers/loss.py): that weight's copy and its fp32 gradient."""
+    v, h, adapters = g["vocab"], g["hidden"], g.get("adapters")
+    head_grad = v * h * 4
+    if adapters and adapters["head_lora"]:
+        h += adapters["rank"]
+        head_grad = v * h * (b + 4)
+    elif adapters and not adapters["head_trainable"]:
+        head_grad = 0
+    states = 2 * t * h * b + head_grad
     if kernel == "liger":
-        return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b) + 4 * t
+        return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b if head_grad else 0) + 4 * t
     return states + loss_chunk * v * (4 + b)
+
+
+def model_state_bytes(g: dict, levers: Levers, w_div: int, g_div: int, o_div: int) -> tuple[float, float]:
+    """(per GPU, per rank on the host) bytes of the weights, gradients and optimizer states, partitioned by ZeRO
+    (`*_div`: over how many GPUs weights, gradients and optimizer states are split).
+
+    Full fine-tuning: every parameter has all three. --use_peft (`g["adapters"]`): the frozen base only its
+    weights, in bf16 (2 bytes; NF4 with --load_in_4bit: half a byte and its block's scale), no gradient, no master,
+    no optimizer state; the trainable parameters (adapters and modules trained whole) everything."""
+    n, adapters = g["params"], g.get("adapters")
+    frozen_bytes = 0.0
+    if adapters:
+        trained_base = adapters["trainable"] - adapters["lora"]  # modules trained whole: part of g["params"]
+        frozen = n - trained_base
+        frozen_bytes = (frozen - adapters["quantized"]) * 2 + adapters["quantized"] * NF4_BYTES
+        n = adapters["trainable"]
+    if levers.offload_optimizer:
+        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
+        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
+        return (2 * n + frozen_bytes) / w_div, 18 * n / o_div
+    # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a master
+    # copy 2 unless --share_master_weights makes the model's partition the master
+    optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
+    return (2 * n + frozen_bytes) / w_div + 2 * n / g_div + optimizer * n / o_div, 0
+
+
+def gathered_layer_bytes(g: dict) -> float:
+    """ZeRO-3's gathered weights: the layer in use and the prefetched next one; with NF4 weights those, and one
+    linear layer's weight dequantized to bf16 for its matmul."""
+    adapters = g.get("adapters")
+    if adapters and adapters["quantized"]:
+        return 2 * g["layer_params"] * NF4_BYTES + 2 * max(g["inter"], g["attn_width"]) * g["hidden"]
+    return 2 * 2 * g["layer_params"]
 
 
 def attention_layers(g: dict, layers: range) -> int:
@@ -139,18 +183,11 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     then Ulysses sp / ring x ring); `pairs`: preference training's head (tools/preference_plan.py)."""
     t = math.ceil(seq_len / sp)  # tokens per rank
     ulysses = sp // ring
-    n, b = g["params"], act_bytes
+    b = act_bytes
     # ZeRO partitions optimizer states from stage 1, gradients from stage 2, weights at stage 3, over all GPUs
     w_div, g_div, o_div = (gpus if zero_stage >= k else 1 for k in (3, 2, 1))
-    if levers.offload_optimizer:
-        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
-        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
-        gpu_states, host_states = 2 * n / w_div, 18 * n / o_div
-    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a
-        # master copy 2 unless --share_master_weights makes the model's partition the master
-        optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
-        gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
-    gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
+    gpu_states, host_states = model_state_bytes(g, levers, w_div, g_div, o_div)
+    gathered = gathered_layer_bytes(g) if zero_stage == 3 else 0
     n_ckpt = min(levers.checkpointed(g["layers"]), g["layers"])
     checkpoints = checkpoint_bytes(g, t, b) * n_ckpt / g["layers"]  # checkpointed layers save their inputs
     # and, with kept outputs, those of their attention kernels (a DeltaNet layer keeps nothing)
@@ -411,6 +448,12 @@ def _parser() -> argparse.ArgumentParser:
                         "for the least time per sequence that fits on --gpus, and print the fastest plans")
     p.add_argument("--constants", default=None, metavar="FILE",
                    help="the time model's constants (a --calibrate file); default: the H200's")
+    p.add_argument("--use_peft", action="store_true",
+                   help="plan LoRA (PEFT) on the frozen model: the adapters' flags below as launch/train.py takes them")
+    p.add_argument("--lora_r", type=int, default=16)
+    p.add_argument("--lora_target_modules", default="all-linear")
+    p.add_argument("--lora_modules_to_save", default=None)
+    p.add_argument("--load_in_4bit", action="store_true", help="with --use_peft: the frozen base in NF4 (QLoRA)")
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure this machine's constants (matmul, attention kernel, host copies; all-to-all under "
                         "torchrun) into FILE, and exit")
@@ -445,7 +488,16 @@ def _main(argv=None) -> int:
         p.error("give --seq_len N, or --longest (or a command after --)")
     a.ring_size = None if a.ring_size == "auto" else ring_size_number(a.ring_size)
     check_numbers(a)
-    g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
+    config = load_model_config(a.model, a.model_config, a.num_layers)
+    g = geometry(config)
+    if a.use_peft or a.load_in_4bit:
+        from ..model.adapters import AdapterSpec, adapter_geometry, _names
+
+        if not a.use_peft:
+            raise ConfigError("--load_in_4bit plans QLoRA: add --use_peft")
+        spec = AdapterSpec(r=a.lora_r, target_modules=_names(a.lora_target_modules) or ("all-linear",),
+                           modules_to_save=_names(a.lora_modules_to_save), load_in_4bit=a.load_in_4bit)
+        g["adapters"] = adapter_geometry(config, spec)
     if a.sp_size:
         check_heads(a.sp_size, g["heads"], g["kv"],
                     a.ring_size or resolve_ring_size("auto", a.sp_size, g["heads"], g["kv"]))
@@ -469,7 +521,10 @@ def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Opti
         print(json.dumps({"sp_size": sp, "ring_size": est and est["ring_size"],
                           "levers": levers and levers.flags(a.ds_config), "estimate": est}, default=str))
         return 0 if sp else 1
-    print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
+    adapters = g.get("adapters")
+    trained = (f" ({adapters['trainable'] / 1e6:.1f}M trained: LoRA r {adapters['rank']}"
+               + (", 4-bit base" if adapters["quantized"] else "") + ")") if adapters else ""
+    print(f"{g['params'] / 1e9:.2f}B params{trained}, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
     print(default_flags(g, a.seq_len, a.gpus, a.sp_size, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices,
                         a.ring_size))
     if sp is None:

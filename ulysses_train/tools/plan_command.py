@@ -22,7 +22,6 @@ from typing import Optional
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.build import attention_heads, load_model_config
 from ..sp.support import check_support
-from ..model.geometry import geometry
 from ..sp import dims
 from .plan import estimate, fits, fits_on
 from .preference_plan import pair_documents, preference_step_time, report_lines
@@ -82,7 +81,7 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
     from ..train.config import parse_args
     from ..train.ds_config import lever_choices, load_ds_config, resolve_ds_config
-    from ..train.trainer import run_levers
+    from ..train.trainer import run_geometry, run_levers
 
     import torch
 
@@ -97,9 +96,10 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, machine.gpus // sp, sp, config.hidden_size,
                            use_bf16=bf16, random_init=cfg.model is None)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    levers = run_levers(cfg, config, ds, sp, dtype, machine.device())
+    g = run_geometry(cfg, config)  # with --use_peft, what the adapters change
+    levers = run_levers(cfg, config, ds, sp, dtype, machine.device(), g)
     choices = lever_choices(ds)
-    return Command(cfg, geometry(config), sp, levers, _kernel(cfg.attn_kernel), ds["train_micro_batch_size_per_gpu"],
+    return Command(cfg, g, sp, levers, _kernel(cfg.attn_kernel), ds["train_micro_batch_size_per_gpu"],
                    ds["gradient_accumulation_steps"], choices["zero_stage"], dtype.itemsize, choices,
                    cfg.ds_config if "ds_config" in explicit else None, ring)
 
@@ -132,7 +132,8 @@ def candidates(c: Command, machine: Machine, sp_sizes: Optional[list[int]] = Non
     batch = c.micro * c.accum
     optimizers = [{"offload_optimizer": False}] + ([] if c.ds_choices["bf16_states"]
                                                    else [{"offload_optimizer": True}])
-    tiling = ("off",) if c.g["experts"] else ("off", "on")
+    # a MoE has no dense MLP to tile; the adapters' dropout forbids tiling (levers/policy.py)
+    tiling = ("off",) if c.g["experts"] or LeverRequest.from_config(c.cfg).adapter_dropout else ("off", "on")
     for sp in sp_sizes or dims.valid_sp_sizes(machine.gpus, heads, kv):
         if c.cfg.seq_len % sp and not c.cfg.pad_to_sp:
             continue

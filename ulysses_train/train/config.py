@@ -175,6 +175,24 @@ class TrainConfig:
                                                           "length (read from the model config).")
     offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
                                           "prefetched back one layer ahead of the backward (GPU only).")
+    # ---- adapters: LoRA and QLoRA with PEFT, TRL's flag names (model/adapters.py) ----
+    use_peft: bool = _f(False, "Train LoRA adapters (PEFT) on the frozen model instead of every weight: only the "
+                               "adapters and --lora_modules_to_save get gradients, optimizer states and checkpoint "
+                               "space. Exact under SP and ZeRO-3 (--verify compares with transformers + PEFT).")
+    lora_r: int = _f(16, "LoRA rank (with --use_peft).")
+    lora_alpha: int = _f(32, "LoRA alpha: the adapter's update is scaled by alpha / r (with --use_peft).")
+    lora_dropout: float = _f(0.0, "Dropout on each LoRA layer's input (with --use_peft; 0: none, the run is "
+                                  "deterministic and --verify can check it).")
+    lora_target_modules: str = _f("all-linear", "Modules that get adapters: comma-separated names (matched as PEFT "
+                                                "does: the module's name or its last components, e.g. q_proj,v_proj; "
+                                                "lm_head too), or all-linear: every linear layer of the decoder, not "
+                                                "the LM head.")
+    lora_modules_to_save: Optional[str] = _f(None, "Modules trained whole beside the adapters and saved with them "
+                                                   "(PEFT's modules_to_save: a module whose name ends with the "
+                                                   "string), e.g. embed_tokens,lm_head,norm; norm takes every "
+                                                   "RMSNorm (LongLoRA's trainable embeddings and norms).")
+    load_in_4bit: bool = _f(False, "QLoRA: the frozen base in bitsandbytes' 4-bit NF4, computing in bf16 (with "
+                                   "--use_peft and a pretrained --model; CUDA and bitsandbytes only).")
     # ---- DeepSpeed / output ----
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
                         "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
@@ -244,6 +262,7 @@ class TrainConfig:
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         self._validate_resume()
+        self._validate_adapters()
         self._validate_checkpoint_layers()
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
@@ -284,6 +303,28 @@ class TrainConfig:
         if not self.gradient_checkpointing and value not in ("all", "0"):
             raise ConfigError(f"--checkpoint_layers {value} needs --gradient_checkpointing true (false checkpoints "
                               f"no layer)")
+
+    def _validate_adapters(self) -> None:
+        """The adapter flags (model/adapters.py checks the module names against the model, and the device)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if not self.use_peft:
+            given = [n for n in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                 "lora_modules_to_save", "load_in_4bit") if getattr(self, n) != defaults[n]]
+            if given:
+                raise ConfigError(f"--{given[0]} configures adapters: add --use_peft")
+            return
+        if self.lora_r <= 0 or self.lora_alpha <= 0:
+            raise ConfigError(f"--lora_r and --lora_alpha must be positive, got {self.lora_r} and {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.load_in_4bit and not self.model:
+            raise ConfigError("--load_in_4bit quantizes pretrained weights: give --model (a random initialisation "
+                              "has none)")
+        if self.load_in_4bit and self.dtype == "fp32":
+            raise ConfigError("--load_in_4bit computes in bf16: drop --dtype fp32")
+        if self.verify and self.lora_dropout:
+            raise ConfigError("--verify compares one step with a reference on the same tokens: dropout draws other "
+                              "masks there; verify with --lora_dropout 0")
 
     def _validate_resume(self) -> None:
         if self.resume_override and not self.resume:

@@ -12,11 +12,13 @@ log-probs of the same sides on the same weights.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..levers.preference_loss import PreferenceObjective, PreferenceSpec
 from .preference import unpack_pairs
-from .verify import BF16_FLOOR, FP32_LIMIT, reference_model
+from .verify import BF16_FLOOR, FP32_LIMIT, reference_buffers, reference_grads, reference_model
 
 
 def side_logp(model, ids: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -35,8 +37,8 @@ class PreferenceReference:
         self.errors: dict = {}  # dtype name -> relative error of our cached reference log-probs
 
     def __call__(self, model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                 device: torch.device) -> tuple[float, dict, dict]:
-        model = reference_model(model_config, weights, dtype, device)
+                 device: torch.device, adapters=None, base_model: Optional[str] = None) -> tuple[float, dict, dict]:
+        model, names = reference_model(model_config, weights, dtype, device, adapters, base_model)
         logp_dtype = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
         pairs = [unpack_pairs(b) for b in batches]
         pairs_total = float(sum(len(p) for p in pairs))
@@ -57,9 +59,7 @@ class PreferenceReference:
         if ours and self.weights_are_reference:
             ours, theirs = torch.cat(ours), torch.cat(theirs)
             self.errors[str(dtype).removeprefix("torch.")] = float((ours - theirs).abs().max() / theirs.abs().max())
-        grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
-                 for n, p in model.named_parameters()}
-        buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
+        grads, buffers = reference_grads(model, names), reference_buffers(model, names)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -29,6 +29,7 @@ from ..levers.offload import HostOffload
 from ..levers.policy import DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..levers.preference_loss import PreferenceLMWithSPLoss
 from ..levers.rope import configure_rope
+from ..model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
 from ..model.buffers import restore_fp32_buffers
 from ..model.build import attention_heads, build_model, load_model_config
 from ..model.geometry import geometry
@@ -79,12 +80,22 @@ def verify_seq_len(cfg: TrainConfig) -> int:
     return (cfg.verify_seq_len or min(cfg.seq_len, 4096)) if cfg.verify else cfg.seq_len
 
 
+def run_geometry(cfg: TrainConfig, model_config) -> dict:
+    """The model's geometry (model/geometry.py) with, under --use_peft, what the adapters change (`adapters`:
+    model/adapters.py), which the planner's memory and time count."""
+    g = geometry(model_config)
+    spec = AdapterSpec.from_config(cfg)
+    g["adapters"] = adapter_geometry(model_config, spec) if spec else None
+    return g
+
+
 def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: torch.dtype,
-               device: DeviceInfo) -> Levers:
-    """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags)."""
+               device: DeviceInfo, g: Optional[dict] = None) -> Levers:
+    """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags); `g`:
+    run_geometry's, computed here if not given."""
     micro = ds["train_micro_batch_size_per_gpu"]
     local_tokens = micro * math.ceil(cfg.seq_len / sp_size)
-    g, choices = geometry(model_config), lever_choices(ds)
+    g, choices = g or run_geometry(cfg, model_config), lever_choices(ds)
     fits = None
     if cfg.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
         from ..tools.plan import fits_on
@@ -126,6 +137,10 @@ class Trainer:
         use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
+        self.adapter_spec = AdapterSpec.from_config(cfg)
+        if self.adapter_spec and self.adapter_spec.load_in_4bit:
+            check_4bit(self.device)
+        self.geometry = run_geometry(cfg, self.model_config)  # before zero.Init: adapters counted on the meta device
         # before the data and the model: a layer this run cannot make exact stops it here (sp/support.py)
         self.layers = check_support(self.model_config, sp_size, ring_size, self.kernel, self.device.type,
                                     cfg.packing or cfg.method != "sft")  # a pair's two sides are documents
@@ -185,10 +200,16 @@ class Trainer:
         """The HF model with the levers the policy resolves for --seq_len, installed by model/surgery.py."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log)
+        spec = self.adapter_spec
+        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log,
+                            quantization=quantization_config(self.dtype) if spec and spec.load_in_4bit else None)
         request = LeverRequest.from_config(cfg)
         device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device)
+        levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device, self.geometry)
+        # the adapters go in before the surgery, which then finds (and calls) PEFT's layers where the linears were
+        self.adapters = add_adapters(model, spec, input_grads=levers.checkpointing) if spec else None
+        if self.adapters:
+            self.log(f"adapters: {self.adapters.describe()}")
         self.offload = HostOffload() if levers.offload_activations else None
         self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
                                                  cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
@@ -206,8 +227,10 @@ class Trainer:
 
         cfg = self.cfg
         optimizer = scheduler = None
+        # only what is trained has optimizer states (everything but frozen base weights under --use_peft)
+        trained = [p for p in self.module.parameters() if p.requires_grad]
         if "optimizer" not in self.ds:
-            optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.lr,
+            optimizer = torch.optim.AdamW(trained, lr=self.lr,
                                           betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
                                           fused=self.device.type == "cuda")
         if "scheduler" not in self.ds:
@@ -215,7 +238,7 @@ class Trainer:
             factor = warmup_cosine(cfg.steps, warmup, cfg.min_lr_ratio)
             scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
         engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
-                                          self.module.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
+                                          trained, optimizer=optimizer, lr_scheduler=scheduler,
                                           config=self.ds, mpu=self.groups)
         freed = share_master_weights(engine.optimizer) if self.levers.share_master else 0
         if freed:
@@ -244,7 +267,7 @@ class Trainer:
         self.resume_from = self.plan.checkpoint
         if not self.resume_from:
             return 0
-        state = load_checkpoint(self.engine, self.resume_from, self.rank)
+        state = load_checkpoint(self.engine, self.resume_from, self.rank, adapters_only=self.adapters is not None)
         if "scheduler" not in self.ds:  # ours (warmup_cosine); a DS-config scheduler keeps its own state
             apply_schedule(self.engine.lr_scheduler, self.lr)
         if self.rank == 0 and not self.cfg.verify:
@@ -299,7 +322,8 @@ class Trainer:
         """One line naming what makes this run's numbers: parallel sizes, ZeRO stage, kernel and levers."""
         zero = self.ds["zero_optimization"].get("stage", 0)
         return (f"ZeRO-{zero}, sp {self.describe_sp()} x dp {self.groups.dp_size}, kernel {self.kernel}, "
-                f"{self.describe_levers().replace(' | ', ', ')}")
+                f"{self.describe_levers().replace(' | ', ', ')}"
+                + (f", {self.adapters.describe()}" if self.adapters else ""))
 
     def micro_batch(self, step: int, micro_step: int, dp_rank: Optional[int] = None) -> dict:
         """This SP group's whole sequences for one micro-step (the same on every rank of the group); or those of
@@ -317,6 +341,7 @@ class Trainer:
                  "seed": self.cfg.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
                  "config": self.cfg.to_dict(), "settings": self.settings}
         path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
-                               self.rank, self.cfg.save_total_limit)
+                               self.rank, self.cfg.save_total_limit, adapters=self.adapters,
+                               base_model=self.cfg.model)
         self.log(f"saved checkpoint {path}")
         return path

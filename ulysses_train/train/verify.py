@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..data.sources import trainable_tokens
 from ..errors import ConfigError
+from ..model.build import without_zero3
 from ..sp.sharding import IGNORE_INDEX, shift_labels
 from .faults import NonFiniteError
 from .loop import accumulate
@@ -58,6 +59,7 @@ class Errors:
     grad_median: float
     grad_max: float
     worst_tensor: str
+    tensors: int = 0  # compared: every parameter whose reference gradient is not zero
 
 
 def grad_norm(grads: dict) -> float:
@@ -73,7 +75,7 @@ def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) 
     norm, ref_norm = grad_norm(grads), grad_norm(ref_grads)
     worst = max(per_tensor, key=per_tensor.get)
     return Errors(abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / ref_norm,
-                  statistics.median(per_tensor.values()), per_tensor[worst], worst)
+                  statistics.median(per_tensor.values()), per_tensor[worst], worst, len(per_tensor))
 
 
 def limits(dtype: torch.dtype, transformers_errors: Optional[Errors]) -> dict:
@@ -90,19 +92,6 @@ def truth_dtype(dtype: torch.dtype, layers) -> torch.dtype:
 
 
 # ---------------------------------------------------------------- the reference
-
-
-@contextlib.contextmanager
-def _without_zero3():
-    """transformers builds inside `zero.Init` while an HfDeepSpeedConfig for ZeRO-3 lives; the reference must not."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    saved = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
 REFERENCE_FP32_ATTENTION = "sdpa_all_heads"
@@ -147,9 +136,15 @@ def _supports_sdpa(model_config) -> bool:
     return getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)], "_supports_sdpa", True)
 
 
-def reference_model(model_config, weights: dict, dtype: torch.dtype, device: torch.device):
+def reference_model(model_config, weights: dict, dtype: torch.dtype, device: torch.device, adapters=None,
+                    base_model: Optional[str] = None):
     """Plain transformers on `weights`, in `dtype` on `device`, in training mode with gradient checkpointing (it
-    bounds the memory; it recomputes the same ops)."""
+    bounds the memory; it recomputes the same ops). Returns the model and {our name: its name} of the parameters
+    whose gradients are compared (None: every parameter, under its own name). With `adapters` (model/adapters.py:
+    --use_peft) the model is PEFT's (`get_peft_model`, the same LoraConfig and modules_to_save) with our adapters'
+    weights, and the names are those of the trainable parameters; with --load_in_4bit the base is quantized from
+    `base_model` as ours was (the same weights give the same NF4 blocks), and the weights that are not 4-bit are
+    copied."""
     from transformers import AutoModelForCausalLM
 
     # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
@@ -162,28 +157,56 @@ def reference_model(model_config, weights: dict, dtype: torch.dtype, device: tor
         attention = REFERENCE_FP32_ATTENTION
     # fp64: transformers' grouped-matmul experts take no fp64, its eager loop does (the same sums)
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    with _without_zero3(), _no_init_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
-                                                 attn_implementation=attention, **experts)
+    quantized = adapters is not None and adapters.spec.load_in_4bit
+    with without_zero3(), _no_init_weights():
+        if quantized:
+            from ..model.adapters import quantization_config
+
+            model = AutoModelForCausalLM.from_pretrained(base_model, config=copy.deepcopy(model_config), dtype=dtype,
+                                                         attn_implementation=attention,
+                                                         quantization_config=quantization_config(dtype),
+                                                         device_map={"": device})
+        else:
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
+                                                     attn_implementation=attention, **experts)
     model.tie_weights()  # part of the initialisation skipped above
+    base = weights if adapters is None else _base_weights(weights)
     params = dict(model.named_parameters())  # tied weights once
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    missing, unexpected = sorted(set(params) - set(base)), sorted(set(base) - set(params))
     if missing or unexpected:
         raise RuntimeError(f"--verify: the engine's weights do not fit a plain {type(model).__name__}: missing "
                            f"{missing}, unexpected {unexpected}")
     with torch.no_grad():
         for name, param in params.items():  # one tensor at a time: no second copy of the model in host memory
-            param.copy_(weights[name])
-    model.to(device).train()
+            if not (quantized and type(param).__name__ == "Params4bit"):
+                param.copy_(base[name])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    names = None
+    if adapters is not None:
+        model, names = _with_peft(model, adapters, weights)
+    model.to(device).train()
+    return model, names
+
+
+def reference_grads(model, names: Optional[dict]) -> dict:
+    """The reference's gradients (fp32, CPU) under our names (reference_model's `names`; None: every parameter)."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    names = names or {n: n for n in dict(model.named_parameters())}
+    return {ours: (named[theirs].grad.detach().float().cpu() if named[theirs].grad is not None
+                   else torch.zeros(named[theirs].shape)) for ours, theirs in names.items()}
+
+
+def reference_buffers(model, names: Optional[dict]) -> dict:
+    """Plain transformers' buffers under its own names (those of the model PEFT wraps, when it does)."""
+    plain = model.get_base_model() if names is not None else model
+    return {n: b.detach().cpu() for n, b in plain.named_buffers()}
 
 
 def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                   device: torch.device) -> tuple[float, dict, dict]:
-    """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
-    (fp32, CPU) and the model's own buffers."""
-    model = reference_model(model_config, weights, dtype, device)
+                   device: torch.device, adapters=None, base_model: Optional[str] = None) -> tuple[float, dict, dict]:
+    """Plain transformers on `weights` (reference_model, with `adapters` PEFT's): the mean over every trainable
+    token of `batches`, the gradient of that mean (fp32, CPU) and the model's own buffers."""
+    model, names = reference_model(model_config, weights, dtype, device, adapters, base_model)
     total, counts = 0.0, [trainable_tokens(b) for b in batches]
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
         if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)
@@ -201,9 +224,7 @@ def reference_step(model_config, weights: dict, batches: list[dict], dtype: torc
             share = share + model_config.router_aux_loss_coef * aux * (count / max(1, sum(counts)))
         share.backward()
         total += share.item()
-    grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
-             for n, p in model.named_parameters()}
-    buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
+    grads, buffers = reference_grads(model, names), reference_buffers(model, names)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -249,6 +270,42 @@ def forward_by_document(model, inputs: dict, docs: list[list[int]]) -> tuple[tor
         balance = sys.modules[type(model).__module__].load_balancing_loss_func
         aux = balance(layers, model.num_experts, model.num_experts_per_tok, None)
     return torch.cat(rows, dim=0), aux
+
+
+def _base_weights(weights: dict) -> dict:
+    """The transformers names and values of the base model's weights among ours (adapters left out)."""
+    from ..model.adapters import base_name
+
+    return {base_name(n): w for n, w in weights.items() if base_name(n) is not None}
+
+
+def _with_peft(model, adapters, weights: dict):
+    """`model` wrapped by PEFT with our adapters' config, our adapters' (and trained modules') weights copied in;
+    returns it and {our name: its name} of every trainable parameter."""
+    from peft import get_peft_model
+
+    from ..model.adapters import peft_name
+
+    peft = get_peft_model(model, adapters.lora_config(), autocast_adapter_dtype=False)
+    theirs = dict(peft.named_parameters(remove_duplicate=False))
+    trained = {n for n, p in theirs.items() if p.requires_grad}
+    names = {}
+    with torch.no_grad():
+        for name, value in weights.items():
+            target = peft_name(name, adapters.saved_modules)
+            if ".lora_" in name or target in theirs and target in trained:
+                theirs[target].copy_(value)
+                names[name] = target
+    missed = trained - {theirs_name for theirs_name in names.values()} - _tied_aliases(theirs, names)
+    if missed:
+        raise RuntimeError(f"--verify: PEFT trains parameters ours does not: {sorted(missed)}")
+    return peft, names
+
+
+def _tied_aliases(params: dict, names: dict) -> set:
+    """Names of parameters that are the same tensor as one already mapped (tied embeddings' copies)."""
+    mapped = {id(params[t]) for t in names.values()}
+    return {n for n, p in params.items() if id(p) in mapped}
 
 
 def _ce_fp64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -303,10 +360,13 @@ def _gather_weights(engine, rank: int) -> dict:
 
 
 def _gather_grads(engine, rank: int) -> dict:
+    """The gradient of every trained parameter (all of them, but the frozen base under --use_peft), on rank 0."""
     from deepspeed.utils import safe_get_full_grad
 
     out = {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = safe_get_full_grad(param)
         if rank == 0:
             out[name.removeprefix("model.")] = (grad.detach().float().cpu() if grad is not None
@@ -323,6 +383,10 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     g, rank = trainer.groups, trainer.rank
     batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
     require_targets(trainer, batches)
+    if trainer.adapters is not None:  # zero B (at initialisation) would leave A without a gradient to compare
+        from ..model.adapters import randomize_lora_b
+
+        randomize_lora_b(trainer.module, trainer.cfg.seed + step)
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
     loss, _, skipped = accumulate(trainer, step + 1, finish=False)
@@ -353,11 +417,19 @@ def _row(name: str, ours: float, theirs: Optional[float], limit: float) -> str:
     return f"  {name:<26}{ours:>12.2e}{theirs_text}{limit:>12.2e}  {verdict}"
 
 
+def _peft_version() -> str:
+    import peft
+
+    return peft.__version__
+
+
 def format_report(result: dict) -> str:
     ours, theirs, lim = result["ours"], result.get("transformers"), result["limits"]
     lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s) "
              f"({result['targets']:,} targets), {result['dtype']}, {result['setup']}",
-             f"  reference: plain transformers {result['transformers_version']}, {result.get('reference_attention', 'SDPA')} "
+             f"  reference: plain transformers {result['transformers_version']}"
+             + (f" + PEFT {result['peft_version']} (LoRA-B drawn non-zero)" if result.get("peft_version") else "")
+             + f", {result.get('reference_attention', 'SDPA')} "
              f"attention, same weights and tokens; "
              f"{result.get('truth', 'fp32')} loss {result['reference_loss']:.6f}, ours {result['loss']:.6f}",
              f"  {'error vs ' + result.get('truth', 'fp32'):<26}{'ours':>12}{'transformers':>14}{'limit':>12}"]
@@ -405,13 +477,14 @@ def run_verify(trainer) -> dict:
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
         reference_step = _reference_for(trainer)
+        extra = (trainer.adapters, trainer.cfg.model)
         ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
-                                                          trainer.device)
+                                                          trainer.device, *extra)
         ours = relative_errors(loss, grads, ref_loss, ref_grads)
         theirs = None
         if trainer.dtype != truth:  # its buffers are the ones ours must equal
             t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, trainer.dtype,
-                                                          trainer.device)
+                                                          trainer.device, *extra)
             theirs = relative_errors(t_loss, t_grads, ref_loss, ref_grads)
         lim = limits(trainer.dtype, theirs)
         failed = [LABELS[k] for k in STATS if not getattr(ours, k) <= lim[k]]
@@ -423,6 +496,7 @@ def run_verify(trainer) -> dict:
                   "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
                   "transformers_version": transformers.__version__,
+                  "peft_version": _peft_version() if trainer.adapters is not None else None,
                   "reference_attention": "SDPA" if _supports_sdpa(trainer.model_config) else "eager",
                   "loss": loss, "reference_loss": ref_loss, "truth": "fp64" if truth == torch.float64 else "fp32",
                   "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),
