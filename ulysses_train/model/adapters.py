@@ -26,7 +26,7 @@ the levers' surgery (model/surgery.py). What that gives:
 
 Checkpoints hold the trainable parameters and their optimizer states (train/checkpoint.py); export writes a PEFT
 adapter folder or a merged model (tools/export.py); `--verify` compares against plain transformers + PEFT on the same
-weights (train/verify.py). The names below map our parameters to PEFT's.
+weights (train/verify_reference.py). The names below map our parameters to PEFT's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`--verify` for preference training: the run's loss and every gradient against plain transformers on whole pairs.
 
 The reference takes each pair as TRL's DPOTrainer does: prompt + chosen and prompt + rejected as two whole
-sequences through plain transformers (no packing, no SP, none of our levers; train/verify.py builds the model on
+sequences through plain transformers (no packing, no SP, none of our levers; train/verify_reference.py builds the model on
 the engine's weights), each side's log-prob the sum over its scored tokens of log_softmax(logits) (in fp64 for the
 fp32 truth), and the loss of TRL's formulas (levers/preference_loss.py: `pair_terms`; tests/test_preference.py
 checks them against TRL's trainers on the same batch) with the step's normalisers. For DPO the reference log-probs
@@ -18,7 +18,8 @@ import torch
 
 from ..levers.preference_loss import PreferenceObjective, PreferenceSpec
 from .preference import unpack_pairs
-from .verify import BF16_FLOOR, FP32_LIMIT, reference_buffers, reference_grads, reference_model
+from .verify import BF16_FLOOR, FP32_LIMIT
+from .verify_reference import reference_buffers, reference_grads, reference_model
 
 
 def side_logp(model, ids: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
