@@ -15,9 +15,15 @@ setup(
                       "liger-kernel>=0.8.5; platform_system == 'Linux'"],
     extras_require={
         # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
-        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny"],
+        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny",
+                 # the preference losses are checked against TRL's trainers' own loss code (internal: one minor)
+                 "trl>=1.16,<1.17", "peft>=0.18"],
+        "lora": ["peft>=0.18"],  # --use_peft (PEFT's LoRA layers; 0.18 ties modules to save with the embeddings)
+        "qlora": ["peft>=0.18", "bitsandbytes"],  # --load_in_4bit (CUDA)
         "track": ["tensorboard", "wandb", "mlflow-skinny"],  # --report_to
         "flash": ["flash-attn"],
         "fa4": ["flash-attn-4"],  # FlashAttention-4 (Hopper, Blackwell): --attn_kernel auto picks it when installed
+        # the Gated DeltaNet kernels (--linear_kernel fla); on Hopper with Triton < 3.7.1 FLA's backward needs tilelang
+        "fla": ["flash-linear-attention>=0.6", "fla-core>=0.6", "tilelang; platform_system == 'Linux'"],
     },
 )

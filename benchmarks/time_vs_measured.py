@@ -55,7 +55,7 @@ def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     return docs
 
 
-FITTED = {"qwen3", "qwen3_moe"}  # the families the constants are fitted on; the others' rows are shown apart
+FITTED = {"qwen3", "qwen3_moe", "qwen3_5_text"}  # the families the constants are fitted on; the others' rows are shown apart
 
 
 def config_of(r: dict):

@@ -41,7 +41,7 @@ def main(out: str) -> dict:
     settings = {
         "dataset": write_conversations(os.path.join(out, "train.jsonl"), 16, seed=0),
         "eval_dataset": write_conversations(os.path.join(out, "eval.jsonl"), 4, seed=1),
-        "tokenizer": "bytes", "chat_template": TEMPLATE, "max_length": 128, "assistant_only_loss": True,
+        "tokenizer": "bytes", "chat_template": TEMPLATE, "max_seq_length": 128, "assistant_only_loss": True,
         "learning_rate": 3e-3, "gradient_accumulation_steps": 2, "num_train_epochs": 1, "warmup_ratio": 0.25,
         "lr_scheduler_type": "linear", "min_lr_ratio": 0.0, "bf16": False, "data_cache_dir": os.path.join(out, "cache"),
     }

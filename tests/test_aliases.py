@@ -8,7 +8,7 @@ from ulysses_train.errors import ConfigError
 from ulysses_train.train import aliases
 from ulysses_train.train.config import TrainConfig, config_from, parse_args, write_resolved_config
 
-TRL_STYLE = {"learning_rate": 2e-5, "max_length": 4096, "per_device_train_batch_size": 2,
+TRL_STYLE = {"learning_rate": 2e-5, "max_seq_length": 4096, "per_device_train_batch_size": 2,
              "gradient_accumulation_steps": 8, "num_train_epochs": 3, "warmup_ratio": 0.03,
              "lr_scheduler_type": "linear", "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999,
              "adam_epsilon": 1e-6, "max_grad_norm": 0.5, "logging_steps": 10, "save_steps": 100, "save_total_limit": 2,

@@ -72,7 +72,7 @@ def test_trl_style_settings_train_with_epochs_a_linear_schedule_and_evaluation(s
     assert mixture == [{"path": str(out / "train.jsonl"), "weight": 0.5}, {"path": str(out / "sharegpt.jsonl"),
                                                                            "samples": 8}]
     resolved = yaml.safe_load(open(out / "trl_style" / "config.yaml"))
-    assert {"learning_rate", "max_length", "num_train_epochs", "assistant_only_loss", "bf16"}.isdisjoint(resolved)
+    assert {"learning_rate", "max_seq_length", "num_train_epochs", "assistant_only_loss", "bf16"}.isdisjoint(resolved)
     assert (resolved["lr"], resolved["seq_len"], resolved["grad_accum"], resolved["epochs"], resolved["steps"],
             resolved["warmup_ratio"], resolved["lr_scheduler_type"], resolved["loss_on"], resolved["dtype"]) == (
         0.003, 128, 2, 1.0, steps, 0.25, "linear", "assistant", "fp32")

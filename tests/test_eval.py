@@ -32,7 +32,8 @@ def _evaluate_against_transformers(rank, world, files, settings):
     from ulysses_train.train.config import parse_args
     from ulysses_train.train.evaluate import evaluate
     from ulysses_train.train.trainer import Trainer
-    from ulysses_train.train.verify import _gather_weights, reference_step
+    from ulysses_train.train.verify import _gather_weights
+    from ulysses_train.train.verify_reference import reference_step
 
     results = []
     for i, extra in enumerate(settings):

@@ -82,15 +82,38 @@ def _sharded(rank, world, cases):
     return results
 
 
+def _precise(name: str, state, ids, packed: bool) -> dict:
+    """transformers' gradients in fp64 on the same weights and tokens: the truth a near-miss is measured against."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(frontier_config(name), attn_implementation="eager",
+                                             experts_implementation="eager").double()  # grouped_mm takes no fp64
+    model.load_state_dict(state)
+    _reference_loss(model, ids, packed, name in PACKED_ALONE).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _relative(grad, ref) -> float:
+    return ((grad.double() - ref.double()).norm() / ref.double().norm()).item() if ref.norm() > 0 else grad.norm()
+
+
 def _check(results, cases):
+    """Each gradient within 1e-5 of transformers' fp32 one; or, where fp32 rounding alone reaches that (a norm's
+    weight summed over every position, on some CPUs), within twice transformers' own fp32 error against fp64, as
+    --verify holds a run (a cut in the wrong place is orders of magnitude further)."""
     for name, seed, packed in cases:
-        _, _, ref_loss, ref_grads = _reference(name, seed, packed)
+        state, ids, ref_loss, ref_grads = _reference(name, seed, packed)
+        precise = None
         for by_case in results:
             loss, grads = by_case[(name, packed)]
             assert loss == pytest.approx(ref_loss, rel=1e-5), (name, packed)
             for pname, ref in ref_grads.items():  # per tensor, as --verify measures: fp32 sums in another order
-                error = ((grads[pname] - ref).norm() / ref.norm()).item() if ref.norm() > 0 else grads[pname].norm()
-                assert error <= 1e-5, f"{name} (packed {packed}), {pname}: relative error {error:.2e}"
+                error = _relative(grads[pname], ref)
+                if error > 1e-5:
+                    precise = precise or _precise(name, state, ids, packed)
+                    limit = 2 * max(_relative(ref, precise[pname]), 1e-5)
+                    error = _relative(grads[pname], precise[pname])
+                    assert error <= limit, f"{name} (packed {packed}), {pname}: {error:.2e} from fp64 (limit {limit:.2e})"
 
 
 def test_every_frontier_family_at_sp2_matches_transformers_packed_and_not():

@@ -98,7 +98,8 @@ def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ulysses_train.sp.sharding import shift_labels
-    from ulysses_train.train.verify import reference_step, relative_errors
+    from ulysses_train.train.verify import relative_errors
+    from ulysses_train.train.verify_reference import reference_step
 
     config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

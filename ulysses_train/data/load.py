@@ -58,6 +58,9 @@ class _Loader:
             if len(tokenizer) > self.vocab_size:
                 raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the model's vocabulary is "
                                   f"{self.vocab_size}: use a matching --tokenizer or --model_config")
+            if self.cfg.method != "sft" and is_mixture(self.entries):
+                raise ConfigError(f"--method {self.cfg.method} trains on one preference dataset: give --dataset one "
+                                  f"path (mixtures are for SFT)")
             sources = [self._source(tokenizer, entry) for entry in self.entries]
             if not is_mixture(self.entries):
                 return tokenizer, sources[0]
@@ -73,6 +76,11 @@ class _Loader:
         cfg, dataset = self.cfg, entry.path
         with unreadable_dataset_is_a_config_error(dataset):
             corpus = load_corpus(dataset, entry.split or self.split, cfg.streaming)
+            if cfg.method != "sft":  # preference pairs: data/preference.py
+                from .preference import preference_source
+
+                return preference_source(cfg, corpus, tokenizer, dataset, entry.split or self.split, self.seq_len,
+                                         self.log)
             fmt = detect_format(dataset_columns(corpus), entry.data_format or cfg.data_format,
                                 entry.text_column or cfg.text_column, entry.messages_field or cfg.messages_field)
         if fmt == "text":

@@ -79,17 +79,19 @@ def plain_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Ten
 class _FusedLinearCE(torch.autograd.Function):
     """loss = sum_t CE(h_t W^T, y_t) / normalizer, with dL/dh and dL/dW computed chunk by chunk in the forward.
 
-    Peak extra memory: one chunk of logits (chunk x vocab, fp32) plus dW (fp32, vocab x hidden); with a final logit
-    softcap c, the logits are c tanh(z / c) and their gradient is multiplied by 1 - tanh^2 (one more chunk buffer)."""
+    Peak extra memory: one chunk of logits (chunk x vocab, fp32) plus dW (fp32, vocab x hidden; none when the head is
+    frozen, as under --use_peft); with a final logit softcap c, the logits are c tanh(z / c) and their gradient is
+    multiplied by 1 - tanh^2 (one more chunk buffer)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, normalizer, chunk_size, softcap=None):
         # hidden (n, H), weight (V, H), labels (n,)
         grad_hidden = torch.empty_like(hidden)
         # accumulate dW over chunks in at least fp32: hundreds of bf16 partial sums would lose digits
-        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                                  device=weight.device)
-        loss = torch.zeros((), dtype=grad_weight.dtype, device=hidden.device)
+        accum = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, dtype=accum, device=weight.device) if ctx.needs_input_grad[1] \
+            else None
+        loss = torch.zeros((), dtype=accum, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
             y = labels[start:start + chunk_size]
@@ -112,18 +114,21 @@ class _FusedLinearCE(torch.autograd.Function):
                 del tanh
             grad_logits = grad_logits.to(hidden.dtype)
             grad_hidden[start:start + chunk_size] = grad_logits @ weight
-            if grad_weight.dtype == h.dtype:
+            if grad_weight is None:  # a frozen head: no (V, H) product, no fp32 buffer
+                pass
+            elif grad_weight.dtype == h.dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
             else:
                 grad_weight += grad_logits.t() @ h  # (V, H) in the compute dtype, summed in fp32
             del logits, grad_logits
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return loss / normalizer
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+        return (grad_hidden * grad_loss, grad_weight * grad_loss if grad_weight is not None else None, None, None,
+                None, None)
 
 
 def fused_linear_cross_entropy(hidden, weight, labels, normalizer, chunk_size: int = 4096,
@@ -156,18 +161,46 @@ class LMHeadWithLoss(nn.Linear):
     kernel: str = "ours"  # of the fused loss: "liger" trains on Liger-Kernel's; without autograd ours runs
     softcap: Optional[float] = None  # the model's final logit softcap (Gemma 2), applied before the loss
 
-    def forward(self, hidden, labels=None, normalizer=None):
+    def forward(self, hidden, labels=None, normalizer=None, objective=None, low_rank=()):
+        """`objective`: preference training's loss of whole sequences (levers/preference_loss.py), in place of the
+        cross-entropy. `low_rank`: a LoRA on this head (LoRAHeadWithLoss), as pairs (scaling x A(dropout(hidden))
+        (..., r), B (V, r)): the logits become hidden W^T + sum of those products, computed as one matmul of the
+        hidden states and the low-rank inputs laid side by side against W and the Bs side by side, so every kernel
+        below takes it unchanged and autograd hands each piece its gradient."""
         if labels is None:  # the causal LM applies its own softcap to these
             return super().forward(hidden)
-        if self.kernel == "liger" and self.bias is None and hidden.requires_grad and torch.is_grad_enabled():
-            return liger_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.softcap)
         if self.bias is not None:
             raise NotImplementedError("an LM head with a bias is not supported by the loss head")
+        weight = self.weight
+        if low_rank:
+            hidden = torch.cat([hidden, *(h.to(hidden.dtype) for h, _ in low_rank)], dim=-1)  # (..., H + r)
+            weight = torch.cat([weight, *(b.to(weight.dtype) for _, b in low_rank)], dim=1)  # (V, H + r)
+        if objective is not None:
+            return objective(hidden, weight, labels, self)
+        if self.kernel == "liger" and hidden.requires_grad and torch.is_grad_enabled():
+            return liger_linear_cross_entropy(hidden, weight, labels, normalizer, self.softcap)
         if self.fused and not torch.is_grad_enabled():
-            return chunked_cross_entropy(hidden, self.weight, labels, self.chunk_size, self.softcap) / normalizer
+            return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, self.softcap) / normalizer
         if self.fused:
-            return fused_linear_cross_entropy(hidden, self.weight, labels, normalizer, self.chunk_size, self.softcap)
-        return plain_loss(super().forward(hidden), labels, normalizer, self.softcap)
+            return fused_linear_cross_entropy(hidden, weight, labels, normalizer, self.chunk_size, self.softcap)
+        return plain_loss(nn.functional.linear(hidden, weight), labels, normalizer, self.softcap)
+
+
+def lora_head_forward(self, hidden, labels=None, normalizer=None, objective=None):
+    """The forward of PEFT's LoRA layer around the LM head (`--lora_target_modules lm_head`), made able to return
+    the loss: with labels, each active adapter's low-rank input is computed here (through its A module, so ZeRO-3
+    gathers A) and the head's loss module (LMHeadWithLoss) adds B's term; ZeRO-3 gathers B there as an external
+    parameter of that module (model/surgery.py: install_loss_head). Without labels, PEFT's own forward."""
+    if labels is None:
+        return type(self).__bases__[0].forward(self, hidden)
+    low_rank = []
+    for name in self.active_adapters:
+        if name not in self.lora_A:
+            continue
+        a = self.lora_A[name]
+        x = self._cast_input_dtype(hidden, a.weight.dtype)
+        low_rank.append((a(self.lora_dropout[name](x)) * self.scaling[name], self.lora_B[name].weight))
+    return self.base_layer(hidden, labels=labels, normalizer=normalizer, objective=objective, low_rank=low_rank)
 
 
 def backbone(model: nn.Module) -> nn.Module:

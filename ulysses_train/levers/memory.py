@@ -15,6 +15,8 @@ import math
 from .layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
 from .policy import GiB, Levers, checkpoint_bytes, kept_attention_bytes
 
+# a 4-bit weight and its block's fp32 absmax (64 weights a block, no double quantization): --load_in_4bit's base
+NF4_BYTES = 0.5 + 4 / 64
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
 # The recomputed layer's attention block, at its peak in the backward, holds about this many (tokens x heads*head_dim)
 # bf16 tensors, plus the fp32 copies that transformers' RMSNorms keep of their inputs (the layer's input norm and
@@ -59,12 +61,61 @@ def loss_bytes(g: dict, t: int, kernel: str, loss_chunk: int = 4096, b: int = 2)
     --loss_chunk_size rows. liger (from Liger-Kernel 0.8.5's algorithm; to be checked against measured peaks):
     one buffer of logits in the activation dtype, which its kernel overwrites with their gradient, for
     `liger_chunk_rows` rows; one fp32 loss per token; and at the end the fp32 head gradient cast to the weight's
-    dtype while both exist, which is the larger term when the chunk's logits are smaller than the head."""
-    v, h = g["vocab"], g["hidden"]
-    states = 2 * t * h * b + v * h * 4
+    dtype while both exist, which is the larger term when the chunk's logits are smaller than the head.
+
+    Under --use_peft (`g["adapters"]`) a frozen head has no gradient (neither kernel makes one); a LoRA'd head runs
+    as one head of hidden + r columns (levers/loss.py): that weight's copy and its fp32 gradient."""
+    v, h, adapters = g["vocab"], g["hidden"], g.get("adapters")
+    head_grad = v * h * 4
+    if adapters and adapters["head_lora"]:
+        h += adapters["rank"]
+        head_grad = v * h * (b + 4)
+    elif adapters and not adapters["head_trainable"]:
+        head_grad = 0
+    states = 2 * t * h * b + head_grad
     if kernel == "liger":
-        return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b) + 4 * t
+        return states + max(liger_chunk_rows(t, v, h) * v * b, v * h * b if head_grad else 0) + 4 * t
     return states + loss_chunk * v * (4 + b)
+
+
+def preference_loss_bytes(g: dict, t: int, loss_chunk: int = 4096, b: int = 2) -> int:
+    """Our preference head's peak on one rank of `t` tokens (levers/preference_loss.py; tools/preference_plan.py
+    plans its rows): the SFT fused loss's (our kernel) and the scored rows' hidden states and their gradient
+    (2 x t x hidden), their log-probs, log-sum-exps and weights (fp64 sums)."""
+    return loss_bytes(g, t, "ours", loss_chunk, b) + 2 * t * g["hidden"] * b + 24 * t
+
+
+def model_state_bytes(g: dict, levers: Levers, w_div: int, g_div: int, o_div: int) -> tuple[float, float]:
+    """(per GPU, per rank on the host) bytes of the weights, gradients and optimizer states, partitioned by ZeRO
+    (`*_div`: over how many GPUs weights, gradients and optimizer states are split).
+
+    Full fine-tuning: every parameter has all three. --use_peft (`g["adapters"]`): the frozen base only its
+    weights, in bf16 (2 bytes; NF4 with --load_in_4bit: half a byte and its block's scale), no gradient, no master,
+    no optimizer state; the trainable parameters (adapters and modules trained whole) everything."""
+    n, adapters = g["params"], g.get("adapters")
+    frozen_bytes = 0.0
+    if adapters:
+        trained_base = adapters["trainable"] - adapters["lora"]  # modules trained whole: part of g["params"]
+        frozen = n - trained_base
+        frozen_bytes = (frozen - adapters["quantized"]) * 2 + adapters["quantized"] * NF4_BYTES
+        n = adapters["trainable"]
+    if levers.offload_optimizer:
+        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
+        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
+        return (2 * n + frozen_bytes) / w_div, 18 * n / o_div
+    # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a master
+    # copy 2 unless --share_master_weights makes the model's partition the master
+    optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
+    return (2 * n + frozen_bytes) / w_div + 2 * n / g_div + optimizer * n / o_div, 0
+
+
+def gathered_layer_bytes(g: dict) -> float:
+    """ZeRO-3's gathered weights: the layer in use and the prefetched next one; with NF4 weights those, and one
+    linear layer's weight dequantized to bf16 for its matmul."""
+    adapters = g.get("adapters")
+    if adapters and adapters["quantized"]:
+        return 2 * g["layer_params"] * NF4_BYTES + 2 * max(g["inter"], g["attn_width"]) * g["hidden"]
+    return 2 * 2 * g["layer_params"]
 
 
 def attention_layers(g: dict, layers: range) -> int:
@@ -115,23 +166,17 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
 
 
 def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
-             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1) -> dict:
+             tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1,
+             pairs: bool = False) -> dict:
     """Bytes per GPU (and per host, for all local ranks' offloads) of each component; `ring`: --ring_size (sp is
-    then Ulysses sp / ring x ring)."""
+    then Ulysses sp / ring x ring); `pairs`: preference training's head (preference_loss_bytes)."""
     t = math.ceil(seq_len / sp)  # tokens per rank
     ulysses = sp // ring
-    n, b = g["params"], act_bytes
+    b = act_bytes
     # ZeRO partitions optimizer states from stage 1, gradients from stage 2, weights at stage 3, over all GPUs
     w_div, g_div, o_div = (gpus if zero_stage >= k else 1 for k in (3, 2, 1))
-    if levers.offload_optimizer:
-        # bf16 weights on the GPU (gradients stream to the host bucket by bucket); on the host fp32 master, Adam m, v
-        # and fp32 gradients (16 bytes) and a pinned bf16 copy for the transfers (2): measured 21.0 GiB GPU at 64k
-        gpu_states, host_states = 2 * n / w_div, 18 * n / o_div
-    else:  # fp32: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m, v 8; bf16 states: 2 + 2 + Adam 4, and a
-        # master copy 2 unless --share_master_weights makes the model's partition the master
-        optimizer = (4 if levers.share_master else 6) if levers.bf16_states else 12
-        gpu_states, host_states = 2 * n / w_div + 2 * n / g_div + optimizer * n / o_div, 0
-    gathered = 2 * 2 * g["layer_params"] if zero_stage == 3 else 0  # the layer in use and the prefetched next one
+    gpu_states, host_states = model_state_bytes(g, levers, w_div, g_div, o_div)
+    gathered = gathered_layer_bytes(g) if zero_stage == 3 else 0
     n_ckpt = min(levers.checkpointed(g["layers"]), g["layers"])
     checkpoints = checkpoint_bytes(g, t, b) * n_ckpt / g["layers"]  # checkpointed layers save their inputs
     # and, with kept outputs, those of their attention kernels (a DeltaNet layer keeps nothing)
@@ -151,6 +196,8 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
     layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b))
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
+    if pairs:
+        loss = preference_loss_bytes(g, t, loss_chunk, b)
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
     ring_buffers = ring_bytes(g, t, sp, ring, b)
     on_gpu_ckpt = 0 if levers.offload_activations else checkpoints

@@ -42,12 +42,14 @@ class LeverRequest:
     share_master_weights: bool = True
     loss_kernel: str = "auto"
     checkpoint_layers: str = "all"  # all, auto, or a number of layers
+    adapter_dropout: float = 0.0  # --lora_dropout under --use_peft: random masks a recompute must repeat
 
     @classmethod
     def from_config(cls, cfg) -> "LeverRequest":
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(cfg.lean_norm, cfg.lean_norm)
         return cls(cfg.loss, cfg.gradient_checkpointing, cfg.attn_recompute, cfg.offload_activations, cfg.tiled_mlp,
-                   lean, cfg.fused_kernels, cfg.share_master_weights, cfg.loss_kernel, cfg.checkpoint_layers)
+                   lean, cfg.fused_kernels, cfg.share_master_weights, cfg.loss_kernel, cfg.checkpoint_layers,
+                   cfg.lora_dropout if cfg.use_peft else 0.0)
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,14 @@ def _keep_attention(request: LeverRequest, g: dict, tokens: int, act_bytes: int,
                          f"{limit / GiB:.1f} GiB of the device"
 
 
-def _tiled_mlp(mode: str, g: dict, tokens: int, act_bytes: int) -> tuple[bool, str]:
+def _tiled_mlp(mode: str, g: dict, tokens: int, act_bytes: int, dropout: float = 0.0) -> tuple[bool, str]:
+    if dropout and mode != "off":
+        # DeepSpeed's TiledMLP recomputes each tile in the backward without the forward's random state (checkpointing
+        # restores it): the adapters' dropout would draw other masks there, and the gradients would be wrong
+        if mode == "on":
+            raise ConfigError("--tiled_mlp on recomputes the MLP in the backward with other dropout masks than the "
+                              "forward's: use --lora_dropout 0 or --tiled_mlp off")
+        return False, "auto: off, --lora_dropout draws masks its recompute would not repeat"
     if mode != "auto":
         return mode == "on", ""
     one = tokens * g["inter"] * act_bytes
@@ -229,7 +238,7 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     if request.offload_activations and not offload:
         why["offload_activations"] = "needs CUDA: the host is where activations live already"
     keep, why["keep_attention"] = _keep_attention(request, g, tokens, act_bytes, device, offload)
-    tiled, why["tiled_mlp"] = _tiled_mlp(request.tiled_mlp, g, tokens, act_bytes)
+    tiled, why["tiled_mlp"] = _tiled_mlp(request.tiled_mlp, g, tokens, act_bytes, request.adapter_dropout)
     fused = request.fused_kernels == "on" or (request.fused_kernels == "auto" and device.type == "cuda"
                                               and device.triton)
     if request.fused_kernels == "auto":

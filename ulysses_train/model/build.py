@@ -6,6 +6,7 @@ caller keeps alive), so every parameter is partitioned as it is created and an 8
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Callable, Optional
@@ -77,7 +78,7 @@ PRESETS: dict[str, dict] = {
                                                          "attention_factor": 1.2079441541679836, "beta_fast": 32.0,
                                                          "beta_slow": 1.0, "rope_theta": 500_000.0},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}}),
-    # Qwen/Qwen3.5-9B (text_config): 3 Gated DeltaNet : 1 gated attention layers (Ulysses SP, no ring nor packing:
+    # Qwen/Qwen3.5-9B (text_config): 3 Gated DeltaNet : 1 gated attention layers (Ulysses SP and packing, no ring:
     # sp/support.py)
     "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
@@ -154,13 +155,20 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
     return config
 
 
-def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[[str], None] = lambda _: None):
+def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[[str], None] = lambda _: None,
+                quantization=None):
     """Instantiates the causal LM with Ulysses attention, its buffers as plain transformers makes them (see
-    buffers.py). Call while an HfDeepSpeedConfig for ZeRO-3 is alive."""
+    buffers.py). Call while an HfDeepSpeedConfig for ZeRO-3 is alive. `quantization`: a transformers quantization
+    config for the pretrained weights (--load_in_4bit: model/adapters.py)."""
     from transformers import AutoModelForCausalLM
 
     if model:
-        built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME)
+        extra = {}
+        if quantization is not None:  # quantized as it loads, on this rank's GPU (transformers builds a quantized
+            # model outside zero.Init; deepspeed.initialize then partitions its NF4 words like any parameter)
+            extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
+        built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME,
+                                                     **extra)
     else:
         built = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
     report = restore_fp32_buffers(built, dtype)
@@ -175,3 +183,17 @@ def attention_heads(config) -> tuple[int, int]:
     q = config.num_attention_heads
     kv = [m.kv_heads for m in layer_mixers(config) if m.attention]
     return q, min(kv) if kv else q
+
+
+@contextlib.contextmanager
+def without_zero3():
+    """transformers builds inside `zero.Init` while an HfDeepSpeedConfig for ZeRO-3 lives; a model built for another
+    purpose (the --verify reference, a shape count on the meta device) must not be."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved

@@ -3,13 +3,13 @@ modules it expects to patch, and the lever and flag that ask for it.
 
 | patch | replaces | expects |
 |---|---|---|
-| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying | the output embedding |
+| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying (a LoRA'd head: the base layer's, and the forward of PEFT's layer around it by `lora_head_forward`) | the output embedding |
 | checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours (`--checkpoint_layers N`: the layers after the first N are not checkpointed) | every decoder layer |
 | RMSNorm | the forward of each norm computing Llama's RMSNorm, by the lean (or fused) one | every `*RMSNorm` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
 | SwiGLU | the forward of each MLP computing down(silu(gate) * up), by the fused product | every dense `*.mlp` |
 | tiled MLP | the forward of each dense MLP, by DeepSpeed's TiledMLP over sequence tiles | every dense `*.mlp` |
-| DeltaNet SP | the forward of each Gated DeltaNet mixer, by the Ulysses one (sp/deltanet.py), under --sp_size > 1 | every `linear_attention` layer's mixer |
+| DeltaNet mixer | the forward of each Gated DeltaNet mixer, by ours (sp/deltanet.py): the rule's kernel of --linear_kernel, the head all-to-all under SP, restarts at packed documents | every `linear_attention` layer's mixer |
 
 What a module computes decides whether it is patched (model/matching.py), not how its code is spelt. A lever the
 policy turned on that patches no module is an error naming its flag when the flag asked for it, and under `auto`
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -35,12 +36,13 @@ from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
 from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits, triton_importable
 from ..levers.lean_norm import fused_forward, lean_forward
-from ..levers.loss import LMHeadWithLoss, backbone, liger_check
+from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
 from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
 from ..sp.all_to_all import group_size
 from ..sp.deltanet import is_deltanet, layout_of as deltanet_layout, sp_forward as deltanet_forward
+from ..sp.linear_kernel import LinearKernel, choose_linear_kernel
 from .matching import computes_llama_rms_norm, computes_llama_rotary, computes_swiglu, rebind_global, uses_global
 
 _SUBCLASSES: dict[tuple, type] = {}  # (original class, what replaces) -> the subclass swapped in
@@ -66,8 +68,18 @@ def _dense_mlps(model: nn.Module) -> list[nn.Module]:
 def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 4096, kernel: str = "ours"
                       ) -> nn.Module:
     """The LM head returns the SP loss when called with labels (levers/loss.py), logits otherwise; `kernel`: whose
-    fused loss ("ours" or "liger")."""
+    fused loss ("ours" or "liger"). A head with PEFT's LoRA layer around it (--lora_target_modules lm_head) keeps
+    it: the loss runs in the base layer with the adapters' low-rank term, whose B weights ZeRO-3 gathers for the
+    base layer's forward (registered as its external parameters, DeepSpeed's way for a weight another module
+    uses)."""
     head = model.get_output_embeddings()
+    if hasattr(head, "lora_B") and hasattr(head, "base_layer"):  # PEFT's LoRA layer
+        lora, head = head, head.get_base_layer()
+        _swap_class(lora, "LossHead", {"forward": lora_head_forward})
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+        for b in lora.lora_B.values():
+            register_external_parameter(head, b.weight)
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the model's output embedding is a {type(head).__name__}, not nn.Linear")
     head.__class__ = LMHeadWithLoss
@@ -161,16 +173,20 @@ def install_fused_mlp(model: nn.Module) -> int:
     return patched
 
 
-def install_deltanet_sp(model: nn.Module, sp_group) -> int:
-    """Every Gated DeltaNet mixer runs its conv and recurrence over the whole sequence for its rank's heads
-    (sp/deltanet.py); nothing is patched without an SP group of more than one rank. A module lacking what the SP
-    forward reads is a TypeError naming the transformers version, before any step."""
-    if group_size(sp_group) == 1:
-        return 0
+def install_deltanet_mixers(model: nn.Module, sp_group, kernel: LinearKernel, documents=None) -> int:
+    """Every Gated DeltaNet mixer runs our forward (sp/deltanet.py): the rule's kernel of --linear_kernel, the conv
+    and the recurrence over the whole sequence for its rank's heads under SP (an SP group of one, or None: no
+    all-to-all), and, with `documents` (the Ulysses attention, whose `doc_lengths` it reads: packing), restarting at
+    each document. A module lacking what the forward reads is a TypeError naming the transformers version, before
+    any step."""
+    sp = group_size(sp_group)
     mixers = [m for m in model.modules() if is_deltanet(m) and type(m) not in _SUBCLASSES.values()]
     for module in mixers:
         module._sp_layout = deltanet_layout(module)
-        module._sp_group, module._sp_rank = sp_group, torch.distributed.get_rank(sp_group)
+        module._sp_group = sp_group if sp > 1 else None
+        module._sp_rank = torch.distributed.get_rank(sp_group) if sp > 1 else 0
+        module._sp_documents = None if documents is None else weakref.ref(documents)
+        module._sp_kernel = kernel
         _swap_class(module, "SequenceParallel", {"forward": deltanet_forward})
     return len(mixers)
 
@@ -211,8 +227,9 @@ PATCHES = {
                     lambda m: sum(n.endswith("self_attn") for n, _ in m.named_modules())),
     "SwiGLU": Patch("SwiGLU", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
     "tiled MLP": Patch("tiled MLP", "tiled_mlp", "--tiled_mlp", lambda m: len(_dense_mlps(m))),
-    # not a lever: installed whenever --sp_size > 1 (install_deltanet_sp), one per `linear_attention` layer
-    "DeltaNet SP": Patch("DeltaNet SP", "", "--sp_size",
+    # not a lever: installed on every model with DeltaNet layers (install_deltanet_mixers), one per
+    # `linear_attention` layer
+    "DeltaNet mixer": Patch("DeltaNet mixer", "", "--linear_kernel",
                          lambda m: list(getattr(m.config, "layer_types", None) or []).count("linear_attention")),
 }
 
@@ -225,19 +242,23 @@ class SurgeryReport:
         return ", ".join(f"{name} {done}/{want}" for name, (done, want) in self.counts.items())
 
 
-def apply_sp_patches(model: nn.Module, sp_group, report: SurgeryReport) -> None:
-    """The patches sequence parallelism needs beyond the attention function (today the DeltaNet mixers), recorded
-    in `report`; a model whose mixers this transformers no longer lets us patch, all of them, stops here."""
-    if group_size(sp_group) == 1:
-        return
-    expected = PATCHES["DeltaNet SP"].expected(model)
+def apply_sp_patches(model: nn.Module, sp_group, report: SurgeryReport, device: torch.device,
+                     linear_kernel: str = "auto", documents=None) -> Optional[LinearKernel]:
+    """The patches sequence parallelism and packing need beyond the attention function (today the DeltaNet mixers,
+    on every model that has them, with the rule's kernel of `linear_kernel` chosen here; `documents`: the Ulysses
+    attention when packing), recorded in `report`; a model whose mixers this transformers no longer lets us patch,
+    all of them, stops here. Returns the chosen kernel, or None for a model without DeltaNet layers."""
+    expected = PATCHES["DeltaNet mixer"].expected(model)
     if not expected:
-        return
-    done = install_deltanet_sp(model, sp_group)
+        return None
+    first = next(m for m in model.modules() if is_deltanet(m))
+    kernel = choose_linear_kernel(linear_kernel, device, LinearKernel("torch").rule(first))
+    done = install_deltanet_mixers(model, sp_group, kernel, documents)
     if done != expected:
-        raise RuntimeError(f"DeltaNet SP patched {done} of the {expected} `linear_attention` layers' mixers of this "
-                           f"{type(model).__name__} (model/surgery.py): the others would run on their own shard")
-    report.counts["DeltaNet SP"] = (done, expected)
+        raise RuntimeError(f"DeltaNet mixer patched {done} of the {expected} `linear_attention` layers' mixers of "
+                           f"this {type(model).__name__} (model/surgery.py): the others would run on their own shard")
+    report.counts["DeltaNet mixer"] = (done, expected)
+    return kernel
 
 
 def _explicit(request: LeverRequest, lever: str) -> bool:

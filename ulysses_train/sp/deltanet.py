@@ -18,6 +18,18 @@ Why g and beta are made before the all-to-all, and the norm after it: both are e
 so they give the same numbers on either side, and on the shard they need the whole `A_log`, `dt_bias` and norm
 weight rather than this rank's slice of them; z never moves.
 
+Packed documents (`--packing`) restart both the conv and the recurrence at each document, as if each ran alone
+(transformers' torch fallback ignores the `cu_seqlens` its layer passes, so plain transformers on a packed row lets
+the state flow across documents; the reference is each document run alone). The document lengths are the
+attention's (`UlyssesAttention.doc_lengths`, set per batch):
+- the conv: each document's channels get K-1 zeros in front of them, the whole batch as one row, then the module's
+  own kernel, then the inserted positions dropped: every output is the one its document alone gives, bit for bit;
+- the recurrence: FLA's kernel takes the documents as `cu_seqlens` (the batch flattened to one row); the torch
+  rule runs document by document.
+
+The rule's kernel is the run's `--linear_kernel` (linear_kernel.py: FLA's on CUDA, or transformers' torch rule), so
+the mixer is installed on every DeltaNet layer, at SP=1 and unpacked too (the all-to-alls are then the identity).
+
 Head blocks are contiguous, as in attention.py: rank r holds value heads [r*nv/sp, (r+1)*nv/sp). transformers
 gives value head j the key head j // (nv/nk) (`repeat_interleave` in its gated delta rule), so these value heads
 read key heads [r*nk/sp, (r+1)*nk/sp) when sp divides nk, or the one key head r // (sp/nk) when nk divides sp, which
@@ -30,12 +42,14 @@ add the part of its own value heads.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .all_to_all import all_to_all, group_size
+from .linear_kernel import LinearKernel
 
 # what the SP forward reads from a transformers DeltaNet module, and from its modeling file
 MODULE_ATTRIBUTES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv1d",
@@ -44,8 +58,6 @@ MODULE_ATTRIBUTES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "
 LAYOUTS = {"qkv, z, b, a": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5
            "qkvz, ba": ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")}  # Qwen3-Next
 KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
-# keyword arguments that would make the conv and the recurrence restart at documents: packing is not built here
-PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 
 
 def layout_of(module: nn.Module) -> str:
@@ -107,22 +119,79 @@ def _conv_channels(self, keys: range, values: range) -> torch.Tensor:
     return torch.cat([q, q + self.key_dim, v]).to(self.conv1d.weight.device)
 
 
-def _local_mixer(self, q, k, v, g, beta, keys: range, values: range) -> torch.Tensor:
-    """The causal conv and the gated delta rule over the whole sequence for this rank's heads, with the kernels of
-    the module's modeling file (its torch fallback, or the hub kernel transformers chose). q, k (b, s, nk_r, dk),
-    v (b, s, nv_r, dv), g and beta (b, s, nv_r) -> (b, s, nv_r, dv)."""
+def document_starts(doc_lengths: list[list[int]], length: int) -> torch.Tensor:
+    """Where each document starts in the batch flattened to one row, (n_docs,) int64: row r's documents at
+    r * length + their offsets. Zero-length documents are dropped."""
+    starts = []
+    for row, lengths in enumerate(doc_lengths):
+        if sum(lengths) != length:
+            raise ValueError(f"doc_lengths of row {row} cover {sum(lengths)} positions, the sequence has {length}")
+        offset = row * length
+        for n in lengths:
+            if n:
+                starts.append(offset)
+            offset += n
+    return torch.tensor(starts, dtype=torch.long)
+
+
+def _conv_by_document(conv, mixed: torch.Tensor, weight, bias, activation, starts: torch.Tensor) -> torch.Tensor:
+    """The causal conv of each document alone: K-1 zeros before every document, one row, the module's kernel, the
+    inserted positions dropped. mixed (b, C, s) -> (b, C, s)."""
+    batch, channels, length = mixed.shape
+    pad = weight.shape[-1] - 1
+    flat = mixed.transpose(0, 1).reshape(channels, batch * length)  # (C, b*s)
+    # position i of the flat row moves right by pad for every document starting at or before it
+    shift = torch.zeros(batch * length, dtype=torch.long)
+    shift[starts] = pad
+    where = (torch.arange(batch * length) + shift.cumsum(0)).to(mixed.device)
+    spread = flat.new_zeros(channels, batch * length + pad * len(starts)).index_copy(1, where, flat)
+    out = conv(spread.unsqueeze(0), weight, bias, activation=activation)[0].index_select(1, where)  # (C, b*s)
+    return out.reshape(channels, batch, length).transpose(0, 1)
+
+
+def _rule_by_document(kernel: LinearKernel, rule, q, k, v, g, beta, starts: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule restarting at every document: q, k (b, s, nk, dk), v (b, s, nv, dv), g, beta (b, s, nv)
+    -> (b, s, nv, dv). FLA's kernel in one call over the flattened batch; the torch rule per document."""
+    batch, length = q.shape[:2]
+    flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    bounds = torch.cat([starts, torch.tensor([batch * length])])
+    options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    if kernel.takes_documents:
+        out, _ = rule(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=bounds.to(q.device), **options)
+    else:
+        pieces = [rule(*(x[:, a:b] for x in flat[:3]), g=flat[3][:, a:b], beta=flat[4][:, a:b], **options)[0]
+                  for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+        out = torch.cat(pieces, dim=1)
+    return out.reshape(batch, length, *out.shape[2:])
+
+
+def _local_mixer(self, q, k, v, g, beta, keys: range, values: range,
+                 doc_lengths: Optional[list[list[int]]] = None) -> torch.Tensor:
+    """The causal conv and the gated delta rule over the whole sequence for this rank's heads: the conv of the
+    module's modeling file, the rule of the run's --linear_kernel (linear_kernel.py); with packed documents each
+    restarts at every document. q, k (b, s, nk_r, dk), v (b, s, nv_r, dv), g and beta (b, s, nv_r)
+    -> (b, s, nv_r, dv)."""
     kernels = sys.modules[type(self).__module__]
     channels = _conv_channels(self, keys, values)
     weight = self.conv1d.weight.squeeze(1)[channels]  # (C_r, K): this rank's channels, its gradient's too
     bias = None if self.conv1d.bias is None else self.conv1d.bias[channels]
     batch, length = q.shape[:2]
+    starts = None if doc_lengths is None else document_starts(doc_lengths, length)
     mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # (b, C_r, s)
-    mixed = kernels.causal_conv1d_fn(mixed, weight, bias, activation=self.activation).transpose(1, 2)
-    q, k, v = torch.split(mixed, [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
+    if starts is None:
+        mixed = kernels.causal_conv1d_fn(mixed, weight, bias, activation=self.activation)
+    else:
+        mixed = _conv_by_document(kernels.causal_conv1d_fn, mixed, weight, bias, self.activation, starts)
+    q, k, v = torch.split(mixed.transpose(1, 2), [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
     q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
-    out, _ = kernels.torch_chunk_gated_delta_rule(q, k, v.reshape(batch, length, -1, self.head_v_dim), g=g,
-                                                  beta=beta, initial_state=None, output_final_state=False,
-                                                  use_qk_l2norm_in_kernel=True)
+    v = v.reshape(batch, length, -1, self.head_v_dim)
+    rule = self._sp_kernel.rule(self)
+    if not self._sp_kernel.grouped_values and q.shape[2] != v.shape[2]:  # value head j reads key head j // group
+        q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
+    if starts is not None:
+        return _rule_by_document(self._sp_kernel, rule, q, k, v, g, beta, starts)
+    out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=True)
     return out
 
 
@@ -132,10 +201,9 @@ def sp_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=Non
         raise NotImplementedError("the sequence-parallel DeltaNet mixer trains: no cache (use_cache=False)")
     if attention_mask is not None:
         raise NotImplementedError("padding masks are not supported: pad at the end with labels -100 instead")
-    packed = [name for name in PACKING_KWARGS if kwargs.get(name) is not None]
-    if packed:
-        raise NotImplementedError(f"packed documents ({', '.join(packed)}) are not built for DeltaNet layers")
     group, sp = self._sp_group, group_size(self._sp_group)
+    documents = self._sp_documents() if self._sp_documents is not None else None  # the attention, or gone
+    doc_lengths = None if documents is None else documents.doc_lengths  # (b,) lists of global lengths
     q, k, v, z, b, a = _project(self, hidden_states)  # (b, s/sp, heads, d)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (b, s/sp, nv), fp32 as transformers
@@ -145,7 +213,7 @@ def sp_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=Non
     q, k, v = heads_to_sequence([q, k, v], group)
     g, beta = heads_to_sequence([torch.stack([g, beta.float()], dim=-1)], group)[0].unbind(-1)
     keys, values = rank_heads(self.num_k_heads, self.num_v_heads, sp, self._sp_rank)
-    out = _local_mixer(self, q, k, v, g, beta.to(b.dtype), keys, values)  # (b, s, nv/sp, dv)
+    out = _local_mixer(self, q, k, v, g, beta.to(b.dtype), keys, values, doc_lengths)  # (b, s, nv/sp, dv)
     out = all_to_all(out, group, scatter_dim=1, gather_dim=2)  # (b, s/sp, nv, dv)
     batch, length = hidden_states.shape[:2]
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

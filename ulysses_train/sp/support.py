@@ -7,7 +7,8 @@ or Mamba mixer): it would run on its rank's shard as if the sequence started the
 wrong gradients. So nothing is assumed: a family the trainer has not checked, a layer type it does not know, or a
 feature it has not built for this run's SP, ring and kernel is a ConfigError naming what would work. The Gated DeltaNet
 layers of the families in SHARDED_MIXERS run exactly under Ulysses (deltanet.py: the same head all-to-all, the conv
-and the recurrence over the whole sequence for each rank's heads); not yet with a ring, nor packed.
+and the recurrence over the whole sequence for each rank's heads, both restarting at packed documents); not yet
+with a ring.
 
 `layer_mixers(config)` reads one `LayerMixer` per decoder layer from the config (its `layer_types`, `sliding_window`,
 `attention_chunk_size`, `no_rope_layers`, softcaps, sinks, per-layer heads); `check_support` applies this run's
@@ -43,7 +44,7 @@ class Family:
 
 
 _WINDOWED = dict(ring=False)
-_LINEAR = dict(ring=False, packing=False)  # Gated DeltaNet under Ulysses (deltanet.py), not over a ring nor packed
+_LINEAR = dict(ring=False)  # Gated DeltaNet under Ulysses (deltanet.py), packed documents restarting it; no ring
 
 # model_type -> family; every entry is checked against plain transformers in tests/test_frontier_families.py,
 # tests/test_model_families.py and tests/test_model_equivalence.py
@@ -86,6 +87,9 @@ ROUTER_AUX_LOSS = {"qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
 
 # layer types whose token mixer is not attention, with what they are (the refusal names them)
 LINEAR_MIXERS = {"linear_attention": "Gated DeltaNet"}
+# families whose packed row in plain transformers lets documents attend each other (GPT-OSS's mask ignores the
+# restarting positions): a packed reference of them (--verify, the tests) runs each document alone
+PACKED_ROW_MIXES_DOCUMENTS = {"gpt_oss"}
 # layer type -> the families whose mixer of that type runs exactly under Ulysses (deltanet.py, tests/test_deltanet.py)
 SHARDED_MIXERS = {"linear_attention": {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}}
 
@@ -196,7 +200,7 @@ def _refusals(config, mixers: list[LayerMixer], sp_size: int, ring_size: int, ke
         elif ring_size > 1:
             why.append(f"{what} under --ring_size {ring_size} are not built (the recurrence's state would have to "
                        f"pass round the ring): use --ring_size 1 (Ulysses alone)")
-        if packing:
+        if packing and model not in SHARDED_MIXERS.get(kind, ()):
             why.append(f"{what} would carry their state across packed documents: drop --packing")
     if getattr(config, "use_bidirectional_attention", False):
         why.append("bidirectional attention (use_bidirectional_attention) is not built: the kernels are causal")

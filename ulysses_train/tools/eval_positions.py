@@ -226,7 +226,7 @@ def evaluate(a: argparse.Namespace, samples) -> None:
     register_ulysses_attention(groups.sp_group, "sdpa")
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=ATTN_NAME,
                                                  dtype=torch.bfloat16 if cuda else torch.float32).to(device).eval()
-    apply_sp_patches(model, groups.sp_group, SurgeryReport())  # DeltaNet mixers: the head all-to-all, as training
+    apply_sp_patches(model, groups.sp_group, SurgeryReport(), device)  # DeltaNet mixers, as training (auto kernel)
     n = min(a.num_samples, samples.num_samples)
     losses, targets = [], []
     with torch.no_grad():

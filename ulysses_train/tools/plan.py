@@ -3,13 +3,14 @@
     python -m ulysses_train.plan --model_config qwen3-8b --seq_len 1048576 --gpus 8 [--sp_size N] [--ring_size R]
         [--ds_config F]
     python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
+    python -m ulysses_train.plan --model_config qwen3-8b --gpus 1 --longest --use_peft [--load_in_4bit]   # LoRA
     python -m ulysses_train.plan --gpus 8 [--fastest] -- <flags of launch/train.py>   # that run (tools/plan_command.py)
     python -m ulysses_train.plan --calibrate FILE        # measure this machine's time constants (tools/calibrate.py)
 
 The memory of a run, per GPU and for the host, is levers/memory.py's estimate (the trainer's `--checkpoint_layers
 auto` asks the same one). It first says what the default flags do (the levers come from the same policy as the
-trainer's, levers/policy.py), then the cheapest levers that fit. Where the heads forbid a pure Ulysses split of an SP size, it plans that size
-with the ring `--ring_size auto` would choose. The formulas are in docs/memory.md with a comparison against the
+trainer's, levers/policy.py), then the cheapest levers that fit. Where the heads forbid a pure Ulysses split of an
+SP size, it plans that size with the ring `--ring_size auto` would choose. The formulas are in docs/memory.md with a comparison against the
 peaks measured on the H200."""
 
 from __future__ import annotations
@@ -224,6 +225,12 @@ def _parser() -> argparse.ArgumentParser:
                         "for the least time per sequence that fits on --gpus, and print the fastest plans")
     p.add_argument("--constants", default=None, metavar="FILE",
                    help="the time model's constants (a --calibrate file); default: the H200's")
+    p.add_argument("--use_peft", action="store_true",
+                   help="plan LoRA (PEFT) on the frozen model: the adapters' flags below as launch/train.py takes them")
+    p.add_argument("--lora_r", type=int, default=16)
+    p.add_argument("--lora_target_modules", default="all-linear")
+    p.add_argument("--lora_modules_to_save", default=None)
+    p.add_argument("--load_in_4bit", action="store_true", help="with --use_peft: the frozen base in NF4 (QLoRA)")
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure this machine's constants (matmul, attention kernel, host copies; all-to-all under "
                         "torchrun) into FILE, and exit")
@@ -258,7 +265,16 @@ def _main(argv=None) -> int:
         p.error("give --seq_len N, or --longest (or a command after --)")
     a.ring_size = None if a.ring_size == "auto" else ring_size_number(a.ring_size)
     check_numbers(a)
-    g = geometry(load_model_config(a.model, a.model_config, a.num_layers))
+    config = load_model_config(a.model, a.model_config, a.num_layers)
+    g = geometry(config)
+    if a.use_peft or a.load_in_4bit:
+        from ..model.adapters import AdapterSpec, adapter_geometry, _names
+
+        if not a.use_peft:
+            raise ConfigError("--load_in_4bit plans QLoRA: add --use_peft")
+        spec = AdapterSpec(r=a.lora_r, target_modules=_names(a.lora_target_modules) or ("all-linear",),
+                           modules_to_save=_names(a.lora_modules_to_save), load_in_4bit=a.load_in_4bit)
+        g["adapters"] = adapter_geometry(config, spec)
     if a.sp_size:
         check_heads(a.sp_size, g["heads"], g["kv"],
                     a.ring_size or resolve_ring_size("auto", a.sp_size, g["heads"], g["kv"]))
@@ -282,7 +298,10 @@ def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Opti
         print(json.dumps({"sp_size": sp, "ring_size": est and est["ring_size"],
                           "levers": levers and levers.flags(a.ds_config), "estimate": est}, default=str))
         return 0 if sp else 1
-    print(f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
+    adapters = g.get("adapters")
+    trained = (f" ({adapters['trainable'] / 1e6:.1f}M trained: LoRA r {adapters['rank']}"
+               + (", 4-bit base" if adapters["quantized"] else "") + ")") if adapters else ""
+    print(f"{g['params'] / 1e9:.2f}B params{trained}, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
     print(default_flags(g, a.seq_len, a.gpus, a.sp_size, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices,
                         a.ring_size))
     if sp is None:

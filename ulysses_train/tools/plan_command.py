@@ -22,9 +22,9 @@ from typing import Optional
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.build import attention_heads, load_model_config
 from ..sp.support import check_support
-from ..model.geometry import geometry
 from ..sp import dims
 from ..levers.memory import estimate, fits, fits_on
+from .preference_plan import pair_documents, preference_step_time, report_lines
 from .time_model import Constants, Run, step_time
 
 TOP = 5  # plans --fastest prints
@@ -81,7 +81,7 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
     from ..train.config import parse_args
     from ..train.ds_config import lever_choices, load_ds_config, resolve_ds_config
-    from ..train.trainer import run_levers
+    from ..train.trainer import run_geometry, run_levers
 
     import torch
 
@@ -96,9 +96,10 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, machine.gpus // sp, sp, config.hidden_size,
                            use_bf16=bf16, random_init=cfg.model is None)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    levers = run_levers(cfg, config, ds, sp, dtype, machine.device())
+    g = run_geometry(cfg, config)  # with --use_peft, what the adapters change
+    levers = run_levers(cfg, config, ds, sp, dtype, machine.device(), g)
     choices = lever_choices(ds)
-    return Command(cfg, geometry(config), sp, levers, _kernel(cfg.attn_kernel), ds["train_micro_batch_size_per_gpu"],
+    return Command(cfg, g, sp, levers, _kernel(cfg.attn_kernel), ds["train_micro_batch_size_per_gpu"],
                    ds["gradient_accumulation_steps"], choices["zero_stage"], dtype.itemsize, choices,
                    cfg.ds_config if "ds_config" in explicit else None, ring)
 
@@ -110,12 +111,14 @@ def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[in
     sp, levers, micro = sp or c.sp, levers or c.levers, micro or c.micro
     accum = c.micro * c.accum // micro
     cfg = c.cfg
+    pairs = cfg.method != "sft"  # preference rows: tools/preference_plan.py
     memory = estimate(c.g, micro * cfg.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.loss_chunk_size,
                       tile_tokens=cfg.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes,
-                      ring=c.ring if sp == c.sp else 1)
-    run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage,
+                      ring=c.ring if sp == c.sp else 1, pairs=pairs)
+    docs = pair_documents(cfg.seq_len, cfg.max_length or cfg.seq_len // 2, micro) if pairs else None
+    run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage, docs=docs,
               act_bytes=c.act_bytes)
-    time = step_time(run, constants)
+    time = preference_step_time(run, constants) if pairs else step_time(run, constants)
     sequences = machine.gpus // sp * micro * accum
     return Plan(sp, micro, accum, levers, memory, time, fits(memory, machine.gpu_mem, machine.host_mem),
                 time["total"] / sequences)
@@ -129,7 +132,8 @@ def candidates(c: Command, machine: Machine, sp_sizes: Optional[list[int]] = Non
     batch = c.micro * c.accum
     optimizers = [{"offload_optimizer": False}] + ([] if c.ds_choices["bf16_states"]
                                                    else [{"offload_optimizer": True}])
-    tiling = ("off",) if c.g["experts"] else ("off", "on")
+    # a MoE has no dense MLP to tile; the adapters' dropout forbids tiling (levers/policy.py)
+    tiling = ("off",) if c.g["experts"] or LeverRequest.from_config(c.cfg).adapter_dropout else ("off", "on")
     for sp in sp_sizes or dims.valid_sp_sizes(machine.gpus, heads, kv):
         if c.cfg.seq_len % sp and not c.cfg.pad_to_sp:
             continue
@@ -200,6 +204,8 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
                      f"time model yet)")
     lines.append(f"  {'overlapped copies, collectives':<32}" + ", ".join(
         f"{k} {v:.2f} s" for k, v in plan.time["overlapped"].items()))
+    if cfg.method != "sft":
+        lines += report_lines(cfg.method, cfg.max_length or cfg.seq_len // 2, plan.time, machine.gpus, plan.sp)
     return "\n".join(lines)
 
 

@@ -18,7 +18,13 @@ Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks
                 their own stream) cost only what they take beyond the layer's compute
 
 and per step the fused loss (6 x T x vocab x hidden at the loss rate), the optimizer (DeepSpeed's fused Adam on the
-GPU at HBM speed, or its CPU Adam on the host's cores) and a fixed overhead. The all-to-all runs on the compute
+GPU at HBM speed, or its CPU Adam on the host's cores) and a fixed overhead.
+
+Under --use_peft (`g["adapters"]`, model/adapters.py) a frozen weight has no gradient: the backward of a frozen
+linear layer is its input's gradient alone (once, not twice, its forward's FLOPs), a frozen LM head costs the loss 4
+instead of 6 x T x vocab x hidden, the optimizer steps the trainable parameters only and ZeRO-3 reduce-scatters
+only their gradients; the adapters add their own work, counted at HBM speed since a rank-r product is bound by
+reading and writing its activations (`_lora_seconds`). Not measured against a GPU yet. The all-to-all runs on the compute
 stream and is not overlapped. Rates and bandwidths are `Constants`: H200 defaults fitted to the steps measured in
 docs/results (benchmarks/time_vs_measured.py prints the comparison; docs/time.md has it), or measured on the
 current machine by `python -m ulysses_train.plan --calibrate FILE` (tools/calibrate.py).
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..levers.policy import Levers
+from ..levers.memory import NF4_BYTES
 from ..model.geometry import LayerShape, Span
 
 KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
@@ -94,10 +101,12 @@ class Constants:
     and a scatter of the tokens): not measured, an assumption."""
     attention: dict = field(default_factory=_h200_attention)
     """Kernel name (--attn_kernel) -> AttentionRates."""
-    linear_attention_tflops: float = 150.0
+    linear_attention_tflops: float = 6.4
     """A Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next), forward and backward, over the FLOPs
-    `_deltanet_flops` counts: a guess, not measured (the chunked kernels of flash-linear-attention run well below
-    the matmul ceiling); to be measured on a GPU."""
+    `_deltanet_flops` counts: an effective rate fitted on Qwen3.5-9B's steps on one H200 with flash-linear-attention
+    (`--linear_kernel fla`) at 64k and 131k tokens (docs/benchmarks.md), which it covers within 3%. It stands for
+    everything a DeltaNet layer does beyond its projections: the conv, the gates, the gated norm and FLA's chunked
+    kernels in the forward, the recompute and the backward, each small and far below the matmul ceiling."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: 0.44 s at 64k and 0.89 s at 131k in the profiles
     (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows). Our kernel (--loss_kernel ours)."""
@@ -252,6 +261,9 @@ class _Pass:
     elem_bwd: float
     swiglu_fwd: float  # its SwiGLU part
     a2a: float  # the Ulysses all-to-all of one pass, with its layout copies
+    linear_bwd: float = 0.0  # the linear layers' backward: twice the forward, once for frozen weights
+    lora_fwd: float = 0.0  # the adapters (--use_peft), forward and backward
+    lora_bwd: float = 0.0
 
 
 def _elementwise(run: Run, c: Constants, t: int, moe: bool) -> tuple[float, float, float]:
@@ -292,11 +304,33 @@ def _pass(run: Run, c: Constants, shape: LayerShape) -> _Pass:
     linear_fwd = 2 * t * (shape.matmul_params - shape.mlp_matmul_params) / rate + mlp_fwd
     attn_fwd, attn_bwd = _mixer_seconds(run, c, shape)
     elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t, shape.moe)
+    adapters = run.g.get("adapters")
+    trained = 1.0 - adapters["frozen_matmul"] / max(adapters["matmul"], 1) if adapters else 1.0
+    linear_bwd = (1 + trained) * linear_fwd  # the input's gradient, and the weight's where it is trained
+    lora_fwd, lora_bwd = _lora_seconds(run, c, t)
     a2a = 0.0
     if run.sp > 1 and shape.span.attention:  # q, k, v (KV heads replicated up to sp) out, the output back
         sent = t * (2 * shape.attn_width + 2 * max(shape.kv, run.sp) * shape.head_dim) * b
         a2a = sent * (run.sp - 1) / run.sp / (_a2a_gb_s(run, c) * 1e9) + 2 * sent / (c.hbm_tb_s * 1e12)
-    return _Pass(linear_fwd, mlp_fwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd, swiglu_fwd, a2a)
+    return _Pass(linear_fwd, mlp_fwd, attn_fwd, attn_bwd, elem_fwd, elem_bwd, swiglu_fwd, a2a, linear_bwd, lora_fwd,
+                 lora_bwd)
+
+
+def _lora_seconds(run: Run, c: Constants, t: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's adapters on `t` tokens: per LoRA'd linear (in -> out) the forward
+    reads its input for A, writes B's output and adds it to the base's (in + 3 out elements a token); the backward
+    reads the output's gradient for B and for B's gradient, the input again for A's gradient, and adds its share of
+    the input's gradient (2 out + 4 in); the rank-r matmuls' FLOPs (2 r (in + out) a token, twice that backward) at
+    the matmul rate. A MoE's experts (PEFT's ParamWrapper) get B A added to their whole weights in each forward and
+    its gradient taken in the backward: three weight-sized passes each way. 0 without adapters."""
+    adapters = run.g.get("adapters")
+    if not adapters:
+        return 0.0, 0.0
+    lin, lout, r, b = adapters["lora_in"], adapters["lora_out"], adapters["rank"], run.act_bytes
+    flops = 2 * t * r * (lin + lout) / (c.matmul_tflops * 1e12)
+    hbm = c.hbm_tb_s * 1e12
+    experts = 3 * adapters.get("expert_weights", 0) * b / hbm
+    return t * (lin + 3 * lout) * b / hbm + flops + experts, t * (4 * lin + 2 * lout) * b / hbm + 2 * flops + experts
 
 
 def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dict:
@@ -306,9 +340,10 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dic
     t = run.micro * math.ceil(run.seq_len / run.sp)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
     keep = lv.keep_attention and shape.span.attention  # only attention kernels' outputs are kept
-    forward = p.linear_fwd + p.attn_fwd + p.elem_fwd + p.a2a
-    recompute = (p.linear_fwd + (0 if keep else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
-    backward = 2 * p.linear_fwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled else 0)
+    forward = p.linear_fwd + p.lora_fwd + p.attn_fwd + p.elem_fwd + p.a2a
+    recompute = (p.linear_fwd + p.lora_fwd + (0 if keep else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
+    backward = p.linear_bwd + p.lora_bwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled
+                                                                             else 0)
     # overlapped: the offload's copies of a checkpointed layer's input and kept outputs (out in the forward, back in
     # the backward); ZeRO-3's gathers (forward, recompute, backward) and the gradients' reduce-scatter
     host = 0.0
@@ -317,16 +352,30 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dic
         saved = t * g["hidden"] * b + (t * (shape.attn_width * b + shape.heads * 4) if keep else 0)
         host = saved / per_gpu
     share = 2 * shape.params * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
-    gather = share if run.zero_stage == 3 else 0.0
-    reduce = share if run.zero_stage >= 2 else 0.0
+    gathered, reduced = _zero3_shares(g)
+    gather = share * gathered if run.zero_stage == 3 else 0.0
+    reduce = share * reduced if run.zero_stage >= 2 else 0.0
     mixer = "attention" if shape.span.attention else "linear attention"
-    return {"matmul": p.linear_fwd * (4 if checkpointed else 3) + (p.mlp_fwd if tiled else 0),
+    parts = {"adapters": (p.lora_fwd * (2 if checkpointed else 1) + p.lora_bwd)} if g.get("adapters") else {}
+    return {**parts, "matmul": p.linear_fwd * (2 if checkpointed else 1) + p.linear_bwd + (p.mlp_fwd if tiled else 0),
             mixer: p.attn_fwd * (2 if checkpointed and not keep else 1) + p.attn_bwd,
             "elementwise": p.elem_fwd * (2 if checkpointed else 1) + p.elem_bwd + (p.swiglu_fwd if tiled else 0),
             "all-to-all": p.a2a * (3 if checkpointed else 2),
             "forward": max(forward, host, gather),
             "backward": max(recompute + backward, host, gather * (2 if checkpointed else 1) + reduce),
             "host copies": 2 * host, "zero-3": gather * (3 if checkpointed else 2) + reduce}
+
+
+def _zero3_shares(g: dict) -> tuple[float, float]:
+    """What ZeRO-3 moves of a layer against full fine-tuning: (gathered weights, reduce-scattered gradients). Under
+    --use_peft only the trainable parameters' gradients are reduced, and NF4 weights gather at about a quarter of
+    bf16's bytes."""
+    adapters = g.get("adapters")
+    if not adapters:
+        return 1.0, 1.0
+    quantized = adapters["quantized"] / max(g["params"], 1)
+    gathered = 1.0 - quantized + quantized * NF4_BYTES / 2
+    return gathered, adapters["trainable"] / max(g["params"], 1)
 
 
 def _a2a_gb_s(run: Run, c: Constants) -> float:
@@ -341,6 +390,8 @@ def _a2a_gb_s(run: Run, c: Constants) -> float:
 def optimizer_seconds(run: Run, c: Constants) -> float:
     """The optimizer step of one rank: its partition of the parameters (ZeRO partitions the states over all GPUs)."""
     lv, params = run.levers, run.g["params"]
+    if run.g.get("adapters"):  # --use_peft: only the trainable parameters have optimizer states
+        params = run.g["adapters"]["trainable"]
     share = params / run.gpus if run.zero_stage >= 1 else params
     if lv.offload_optimizer:  # the host's cores run every local rank's partition; gradients down, weights up
         ranks_per_host = min(run.gpus, c.gpus_per_node)
@@ -359,8 +410,13 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     layers = [(count, _layer(run, c, shape, checkpointed)) for (shape, checkpointed), count in kinds.items()]
     t = run.micro * math.ceil(run.seq_len / run.sp)
     loss_tflops = c.liger_loss_tflops if lv.loss_kernel == "liger" else c.loss_tflops
-    loss = 6 * t * g["vocab"] * g["hidden"] / (loss_tflops * 1e12)
+    adapters = g.get("adapters")
+    # logits, the hidden states' gradient and (unless the head is frozen) the head's
+    head_products = 2 if adapters and not (adapters["head_trainable"] or adapters["head_lora"]) else 3
+    loss = 2 * head_products * t * g["vocab"] * g["hidden"] / (loss_tflops * 1e12)
     parts = {k: 0.0 for k in ("matmul", "attention", "elementwise", "all-to-all")}
+    if adapters:
+        parts["adapters"] = 0.0
     if g["linear_attn"]:
         parts["linear attention"] = 0.0
     wall = loss
@@ -382,3 +438,19 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     communication = parts["all-to-all"] + parts["exposed copies and collectives"]
     return {"total": total, "parts": parts, "communication_share": communication / total,
             "overlapped": {k: v * run.accum for k, v in hidden_comm.items()}}
+
+
+def forward_time(run: Run, c: Constants = Constants()) -> float:
+    """Seconds of one micro-batch's forward alone on one rank, without a gradient (DPO's reference pass,
+    train/reference.py): every layer once with its ZeRO-3 gather overlapped, and the head's log-probs (2 x T x
+    vocabulary x hidden at our loss's rate)."""
+    g = run.g
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    total = 2 * t * g["vocab"] * g["hidden"] / (c.loss_tflops * 1e12)
+    for shape in g["layer_shapes"]:
+        p = _pass(run, c, shape)
+        gather = 0.0
+        if run.zero_stage == 3:
+            gather = 2 * shape.params * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
+        total += max(p.linear_fwd + p.attn_fwd + p.elem_fwd + p.a2a, gather)
+    return total

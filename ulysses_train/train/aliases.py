@@ -53,7 +53,6 @@ class Alias:
 
 ALIASES = (
     Alias("learning_rate", "lr", "transformers"),
-    Alias("max_length", "seq_len", "TRL"),
     Alias("max_seq_length", "seq_len", "TRL (before 0.20)"),
     Alias("sequence_len", "seq_len", "axolotl"),
     Alias("per_device_train_batch_size", "micro_batch_size", "transformers",

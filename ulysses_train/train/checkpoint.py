@@ -6,11 +6,16 @@ Layout under `<output_dir>/checkpoints/`:
         ds/...                the DeepSpeed engine checkpoint (model, optimizer, scheduler; one shard per rank)
         trainer_state.json    step, data position, seed, run config and the settings compared on resume
         rng/rank_<r>.pt       torch / CUDA / numpy / python RNG states (tensors and ints only)
-        model/                config.json and tokenizer, for export
+        model/                config.json and tokenizer, for export (with --use_peft also PEFT's
+                              adapter_config.json and adapter_modules.json: model/adapters.py)
         MANIFEST.json         every file above with its size and hash (manifest.py)
         COMPLETE              written last
     latest                    the name of the newest complete checkpoint (for people and tools)
     abandoned/                checkpoints of lines given up by a rollback (run_folder.py); never resumed from
+
+With --use_peft the DeepSpeed checkpoint leaves out the frozen base weights (`exclude_frozen_parameters`): it holds
+the adapters, the modules trained whole and their optimizer states, so it is small; resuming rebuilds the base from
+--model (or the seeded initialisation) exactly as the run first built it.
 
 A checkpoint is written into a hidden `.tmp-step_N` folder, all ranks meet, then rank 0 writes the manifest, marks
 it COMPLETE, renames it into place and only then replaces `latest` (write-to-temp, fsync, os.replace). A `kill -9`
@@ -178,20 +183,27 @@ def _agree(error: Optional[str], name: str, previous: Optional[str], tmp: str, r
                               f"{previous or '(none)'} is untouched")
 
 
-def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config, tokenizer, rank: int) -> None:
-    engine.save_checkpoint(tmp, tag="ds")
+def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config, tokenizer, rank: int,
+                 adapters=None, base_model: Optional[str] = None) -> None:
+    engine.save_checkpoint(tmp, tag="ds", exclude_frozen_parameters=adapters is not None)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     inject_in_save(step, rank)
     if rank == 0:
         write_text_atomically(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1))
         model_config.save_pretrained(os.path.join(tmp, "model"))
+        if adapters is not None:
+            from ..model.adapters import save_adapter_config
+
+            save_adapter_config(adapters, os.path.join(tmp, "model"), base_model)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
 
 
 def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, model_config, tokenizer,
-                    rank: int, total_limit: Optional[int] = None) -> str:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+                    rank: int, total_limit: Optional[int] = None, adapters=None, base_model: Optional[str] = None
+                    ) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint path. `adapters` (model/adapters.py): save
+    only what is trained, and the adapters' config (with `base_model`, the --model they were trained on)."""
     root = checkpoints_dir(output_dir)
     name = checkpoint_name(step)
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
@@ -210,7 +222,8 @@ def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, mod
         write_text_atomically(os.path.join(root, LATEST), name + "\n")
 
     _agree(_attempt(prepare, rank, only_rank0=True), name, previous, tmp, rank)
-    _agree(_attempt(lambda: _write_files(engine, tmp, step, trainer_state, model_config, tokenizer, rank), rank),
+    _agree(_attempt(lambda: _write_files(engine, tmp, step, trainer_state, model_config, tokenizer, rank, adapters,
+                                         base_model), rank),
            name, previous, tmp, rank)
     _agree(_attempt(publish, rank, only_rank0=True), name, previous, tmp, rank)
     if rank == 0 and total_limit:
@@ -249,11 +262,12 @@ def safe_loading():
         torch.load = original
 
 
-def load_checkpoint(engine, path: str, rank: int) -> dict:
+def load_checkpoint(engine, path: str, rank: int, adapters_only: bool = False) -> dict:
     """Restores engine, RNG and trainer state from a complete checkpoint (verified by rank 0 before: see
-    resume.plan_run); returns the trainer state."""
+    resume.plan_run); returns the trainer state. `adapters_only`: a --use_peft checkpoint, which holds no frozen
+    weight (they stay as built)."""
     with safe_loading():
-        load_path, _ = engine.load_checkpoint(path, tag="ds", load_module_strict=True)
+        load_path, _ = engine.load_checkpoint(path, tag="ds", load_module_strict=not adapters_only)
         rng = torch.load(os.path.join(path, "rng", f"rank_{rank}.pt"))
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path}/ds")

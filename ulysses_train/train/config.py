@@ -19,8 +19,10 @@ from ..data.messages import parse_role_map
 from ..data.mixture import dataset_entries
 from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
 from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KINDS
+from ..levers.preference_loss import LOSS_TYPES, METHODS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
+from ..sp.linear_kernel import LINEAR_KERNELS
 from . import aliases
 from .ds_config import load_ds_config
 from .metrics import PROGRESS
@@ -129,7 +131,26 @@ class TrainConfig:
     adam_beta2: float = _f(0.95, "AdamW's beta2 (transformers' default is 0.999; 0.95 is the usual choice for "
                                  "LLM training).")
     adam_epsilon: float = _f(1e-8, "AdamW's epsilon (a --ds_config optimizer block's \"auto\" eps takes it).")
+    # ---- preference training (train/preference.py) ----
+    method: str = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference Optimization "
+                            "on prompt/chosen/rejected pairs against the reference (the initial weights; their "
+                            "log-probs computed once per dataset under SP and cached beside the tokens). simpo, "
+                            "orpo: reference-free (README: \"Preference training\").", METHODS)
+    beta: float = _f(0.1, "The preference loss's beta (TRL's): DPO's KL weight, SimPO's reward scale, ORPO's "
+                          "odds-ratio weight.")
+    loss_type: str = _f("sigmoid", "DPO's loss, as TRL names it: sigmoid (DPO), ipo (IPO, per-token means), hinge "
+                                   "(SLiC).", LOSS_TYPES)
+    simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma (TRL's simpo_gamma).")
+    max_length: Optional[int] = _f(None, "Preference pairs: the most tokens of one side (prompt + completion), TRL's "
+                                         "max_length; a longer side is an error or cut by --truncation (left: the "
+                                         "prompt's start, right: the completions' ends). Default: --seq_len / 2 (a "
+                                         "row of --seq_len holds both sides of a pair).")
     # ---- memory levers ----
+    linear_kernel: str = _f("auto", "Kernel of the Gated DeltaNet layers' recurrence (Qwen3.5, Qwen3-Next). fla: "
+                                    "flash-linear-attention's (CUDA; pip install -e \".[fla]\"; on Hopper with "
+                                    "Triton < 3.7.1 it needs tilelang too). torch: transformers' reference, any "
+                                    "device, much slower on a GPU. auto: fla where it runs and agrees with torch in a "
+                                    "self-check at start-up, else torch (the reason logged).", LINEAR_KERNELS)
     loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
                             "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
     loss_kernel: str = _f("auto", "Whose fused loss runs. liger: Liger-Kernel's fused linear cross-entropy (1.7x "
@@ -178,6 +199,24 @@ class TrainConfig:
                                                           "length (read from the model config).")
     offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
                                           "prefetched back one layer ahead of the backward (GPU only).")
+    # ---- adapters: LoRA and QLoRA with PEFT, TRL's flag names (model/adapters.py) ----
+    use_peft: bool = _f(False, "Train LoRA adapters (PEFT) on the frozen model instead of every weight: only the "
+                               "adapters and --lora_modules_to_save get gradients, optimizer states and checkpoint "
+                               "space. Exact under SP and ZeRO-3 (--verify compares with transformers + PEFT).")
+    lora_r: int = _f(16, "LoRA rank (with --use_peft).")
+    lora_alpha: int = _f(32, "LoRA alpha: the adapter's update is scaled by alpha / r (with --use_peft).")
+    lora_dropout: float = _f(0.0, "Dropout on each LoRA layer's input (with --use_peft; 0: none, the run is "
+                                  "deterministic and --verify can check it).")
+    lora_target_modules: str = _f("all-linear", "Modules that get adapters: comma-separated names (matched as PEFT "
+                                                "does: the module's name or its last components, e.g. q_proj,v_proj; "
+                                                "lm_head too), or all-linear: every linear layer of the decoder, not "
+                                                "the LM head.")
+    lora_modules_to_save: Optional[str] = _f(None, "Modules trained whole beside the adapters and saved with them "
+                                                   "(PEFT's modules_to_save: a module whose name ends with the "
+                                                   "string), e.g. embed_tokens,lm_head,norm; norm takes every "
+                                                   "RMSNorm (LongLoRA's trainable embeddings and norms).")
+    load_in_4bit: bool = _f(False, "QLoRA: the frozen base in bitsandbytes' 4-bit NF4, computing in bf16 (with "
+                                   "--use_peft and a pretrained --model; CUDA and bitsandbytes only).")
     # ---- DeepSpeed / output ----
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
                         "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
@@ -248,6 +287,7 @@ class TrainConfig:
         if self.save_steps < 0:
             raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
         self._validate_resume()
+        self._validate_adapters()
         self._validate_checkpoint_layers()
         if self.streaming and not self.dataset:
             raise ConfigError("--streaming needs --dataset")
@@ -258,6 +298,9 @@ class TrainConfig:
         if self.dataset:
             dataset_entries(self.dataset)  # a mixture's entries: their keys and shares
         parse_role_map(self.role_map)
+        from .preference import check_preference_flags
+
+        check_preference_flags(self)  # --method, --beta, --loss_type, --simpo_gamma, --max_length
         for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -310,6 +353,28 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint_layers {value} needs --gradient_checkpointing true (false checkpoints "
                               f"no layer)")
 
+    def _validate_adapters(self) -> None:
+        """The adapter flags (model/adapters.py checks the module names against the model, and the device)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if not self.use_peft:
+            given = [n for n in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                 "lora_modules_to_save", "load_in_4bit") if getattr(self, n) != defaults[n]]
+            if given:
+                raise ConfigError(f"--{given[0]} configures adapters: add --use_peft")
+            return
+        if self.lora_r <= 0 or self.lora_alpha <= 0:
+            raise ConfigError(f"--lora_r and --lora_alpha must be positive, got {self.lora_r} and {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.load_in_4bit and not self.model:
+            raise ConfigError("--load_in_4bit quantizes pretrained weights: give --model (a random initialisation "
+                              "has none)")
+        if self.load_in_4bit and self.dtype == "fp32":
+            raise ConfigError("--load_in_4bit computes in bf16: drop --dtype fp32")
+        if self.verify and self.lora_dropout:
+            raise ConfigError("--verify compares one step with a reference on the same tokens: dropout draws other "
+                              "masks there; verify with --lora_dropout 0")
+
     def _validate_resume(self) -> None:
         if self.resume_override and not self.resume:
             raise ConfigError("--resume_override needs --resume (auto or a checkpoint path)")
@@ -338,7 +403,7 @@ FREE_SETTINGS = frozenset({
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "tiled_mlp",
     "mlp_tile_tokens", "share_master_weights", "lean_norm", "fused_kernels", "offload_activations",
-    "loss_chunk_size", "loss_kernel"})
+    "loss_chunk_size", "loss_kernel", "linear_kernel"})
 
 
 def ring_size_number(value: str) -> Optional[int]:

@@ -32,13 +32,15 @@ def step_counts(run, batches: list[dict]) -> torch.Tensor:
     return counts
 
 
-def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor,
+                     objective=None) -> tuple[torch.Tensor, bool]:
     """One batch of whole sequences: this rank's shard forward and backward. Returns the SP group's share of the
-    step's loss (sum of its tokens' cross-entropy / `normalizer`), and whether the step is skipped (a non-finite
-    loss under --skip_nonfinite)."""
+    step's loss (sum of its tokens' cross-entropy / `normalizer`; with a preference `objective`, train/preference.py,
+    its loss), and whether the step is skipped (a non-finite loss under --skip_nonfinite)."""
     g = run.groups
     shard = shard_batch(run, batch)
-    loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.float().clamp(min=1.0))
+    loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.float().clamp(min=1.0),
+                      **({"objective": objective} if objective is not None else {}))
     if loss_is_skipped(loss, step, run.cfg.skip_nonfinite):
         return loss.detach(), True
     # DeepSpeed averages gradients over DP ranks and micro-steps; each share is already / the global count, so
@@ -56,6 +58,10 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
     """Every micro-step of optimizer step `step` (1-based), and the engine's optimizer step after the last unless
     `finish` is False (--verify stops before it). Returns the loss (the mean over the step's trainable tokens, on
     every rank), the counts ([trainable tokens, conversations], step_counts), and whether the step was skipped."""
+    if run.cfg.method != "sft":  # preference pairs: the same step with their objective
+        from .preference import accumulate as accumulate_pairs
+
+        return accumulate_pairs(run, step, finish)
     batches = [run.micro_batch(step - 1, m) for m in range(run.accum)]
     counts = step_counts(run, batches)
     normalizer = counts[0]
@@ -85,10 +91,13 @@ def train_step(run, step: int) -> dict:
     check_grad_norm(grad_norm, step, skipped, run.cfg.skip_nonfinite)
     tokens, conversations = (int(c) for c in counts.tolist())
     positions = run.seq_len * run.micro * run.accum * g.dp_size
-    return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": tokens,
-            "num_positions": positions, "conversations": conversations, "step_time_s": elapsed,
-            "tokens_per_s": positions / elapsed, "trained_tokens_per_s": tokens / elapsed,
-            "peak_mem_gib": device_peak_gib(device), "lr": float(lr), "skipped": skipped}
+    record = {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": tokens,
+              "num_positions": positions, "conversations": conversations, "step_time_s": elapsed,
+              "tokens_per_s": positions / elapsed, "trained_tokens_per_s": tokens / elapsed,
+              "peak_mem_gib": device_peak_gib(device), "lr": float(lr), "skipped": skipped}
+    if run.cfg.method != "sft":  # rewards, margins, accuracies, log-probs: train/preference.py
+        record["preference"] = run.preference_stats
+    return record
 
 
 def train(run) -> list[dict]:
@@ -111,7 +120,8 @@ def train(run) -> list[dict]:
             history.append(record)
             logger.log(record, {"host_peak_gib": host_peak_gib(), "skipped": record["skipped"],
                                 "host_offload_gib": run.offload.peak_host_bytes / 2**30 if run.offload else 0.0,
-                                **{k: v for k, v in record.items() if k.startswith("eval_")}})
+                                **{k: v for k, v in record.items() if k.startswith("eval_")},
+                                **record.get("preference", {})})
             if record["skipped"]:
                 logger.write(f"step {step}: non-finite loss, step skipped (--skip_nonfinite)")
             saved = bool(cfg.save_steps and step % cfg.save_steps == 0) or (step == cfg.steps and cfg.save_final)

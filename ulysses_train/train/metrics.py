@@ -85,6 +85,14 @@ def records_up_to(path: str, step: int) -> list[str]:
     return kept
 
 
+def _pairs(record: dict) -> str:
+    """Preference training's rewards on the metrics line (train/preference.py), nothing for SFT."""
+    if "rewards/margins" not in record:
+        return ""
+    return (f" | rewards chosen {record['rewards/chosen']:.3f} rejected {record['rewards/rejected']:.3f} margin "
+            f"{record['rewards/margins']:.3f} accuracy {record['rewards/accuracies']:.2f}")
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers: Sequence[str] = (),
                  log_every: int = 1, start_step: int = 0, config: Optional[dict] = None, progress: str = "auto"):
@@ -130,7 +138,7 @@ class MetricsLogger:
         if self.progress == "none":
             return
         if record["step"] % self.log_every == 0 or record["step"] == 1:
-            self.write(step_line(record))
+            self.write(step_line(record) + _pairs(record))
         if "eval_loss" in record:
             loss = "none (no target)" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
             self.write(f"step {record['step']:>5} | eval loss {loss} over {record['eval_tokens']:,} tokens of "

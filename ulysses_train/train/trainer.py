@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.load import load_source
+from ..data.pair_packing import preference_batch
 from ..data.sources import SyntheticSource, build_batch, global_sample_index, sample_order
 from ..errors import ConfigError
 from ..levers.loss import CausalLMWithSPLoss, sp_backward_scale
@@ -28,7 +29,9 @@ from ..levers.master_weights import share_master_weights
 from ..levers.memory import fits_on
 from ..levers.offload import HostOffload
 from ..levers.policy import DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..levers.preference_loss import PreferenceLMWithSPLoss
 from ..levers.rope import configure_rope
+from ..model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
 from ..model.buffers import restore_fp32_buffers
 from ..model.build import attention_heads, build_model, load_model_config
 from ..model.geometry import geometry
@@ -44,6 +47,8 @@ from .resume import apply_optimizer_settings, apply_schedule, plan_run, training
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
+from .preference import preference_spec
+from .reference import reference_logps
 from .launcher import exit_now
 from .preflight import preflight
 from .run_lock import RunLock
@@ -73,12 +78,22 @@ def verify_seq_len(cfg: TrainConfig) -> int:
     return (cfg.verify_seq_len or min(cfg.seq_len, 4096)) if cfg.verify else cfg.seq_len
 
 
+def run_geometry(cfg: TrainConfig, model_config) -> dict:
+    """The model's geometry (model/geometry.py) with, under --use_peft, what the adapters change (`adapters`:
+    model/adapters.py), which the planner's memory and time count."""
+    g = geometry(model_config)
+    spec = AdapterSpec.from_config(cfg)
+    g["adapters"] = adapter_geometry(model_config, spec) if spec else None
+    return g
+
+
 def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: torch.dtype,
-               device: DeviceInfo) -> Levers:
-    """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags)."""
+               device: DeviceInfo, g: Optional[dict] = None) -> Levers:
+    """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags); `g`:
+    run_geometry's, computed here if not given."""
     micro = ds["train_micro_batch_size_per_gpu"]
     local_tokens = micro * math.ceil(cfg.seq_len / sp_size)
-    g, choices = geometry(model_config), lever_choices(ds)
+    g, choices = g or run_geometry(cfg, model_config), lever_choices(ds)
     fits = None
     if cfg.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
         world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
@@ -143,9 +158,13 @@ class Trainer:
         use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
+        self.adapter_spec = AdapterSpec.from_config(cfg)
+        if self.adapter_spec and self.adapter_spec.load_in_4bit:
+            check_4bit(self.device)
+        self.geometry = run_geometry(cfg, self.model_config)  # before zero.Init: adapters counted on the meta device
         # before the data and the model: a layer this run cannot make exact stops it here (sp/support.py)
         self.layers = check_support(self.model_config, sp_size, ring_size, self.kernel, self.device.type,
-                                    cfg.packing)
+                                    cfg.packing or cfg.method != "sft")  # a pair's two sides are documents
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
         raw_ds = load_ds_config(cfg.ds_config)
         self.ds = resolve_ds_config(raw_ds, cfg, explicit, parallel.dp_size, sp_size, self.model_config.hidden_size,
@@ -183,10 +202,14 @@ class Trainer:
         self._hf_ds = HfDeepSpeedConfig(self.ds) if self.ds["zero_optimization"].get("stage") == 3 else None
         if self._hf_ds is not None:  # models built after this run are plain again
             self.resources.callback(unset_hf_deepspeed_config)
-        self.module = CausalLMWithSPLoss(self._build_model(), self.groups.sp_group)
+        self.spec = preference_spec(cfg)  # None for SFT
+        module = CausalLMWithSPLoss if self.spec is None else PreferenceLMWithSPLoss
+        self.module = module(self._build_model(), self.groups.sp_group)
         self.engine = self._init_engine()
         self.resources.callback(release_engine, self.engine)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
+        # DPO's reference: the weights before any checkpoint is loaded (train/reference.py)
+        self.reference = reference_logps(self) if self.spec is not None and self.spec.uses_reference else None
         self.start_step = self._resume()
         # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
         after_engine = restore_fp32_buffers(self.module, self.dtype)
@@ -221,14 +244,24 @@ class Trainer:
         """The HF model with the levers the policy resolves for --seq_len, installed by model/surgery.py."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log)
+        spec = self.adapter_spec
+        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log,
+                            quantization=quantization_config(self.dtype) if spec and spec.load_in_4bit else None)
         request = LeverRequest.from_config(cfg)
         device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device)
+        levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device, self.geometry)
+        # the adapters go in before the surgery, which then finds (and calls) PEFT's layers where the linears were
+        self.adapters = add_adapters(model, spec, input_grads=levers.checkpointing) if spec else None
+        if self.adapters:
+            self.log(f"adapters: {self.adapters.describe()}")
         self.offload = HostOffload() if levers.offload_activations else None
         self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
                                                  cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
-        apply_sp_patches(model, self.groups.ulysses_group, self.surgery)  # the same group as the attention's
+        # the same group as the attention's; with packing the DeltaNet mixers read its documents
+        self.linear_kernel = apply_sp_patches(model, self.groups.ulysses_group, self.surgery, self.device,
+                                              cfg.linear_kernel, self.attention if cfg.packing else None)
+        if self.linear_kernel is not None and self.linear_kernel.why:
+            self.log(f"linear_kernel {self.linear_kernel.why}")
         if self.levers.why:
             self.log("levers: " + "; ".join(f"{lever} {reason}" for lever, reason in self.levers.why.items()))
         return model
@@ -238,16 +271,18 @@ class Trainer:
 
         cfg = self.cfg
         optimizer = scheduler = None
+        # only what is trained has optimizer states (everything but frozen base weights under --use_peft)
+        trained = [p for p in self.module.parameters() if p.requires_grad]
         if "optimizer" not in self.ds:
-            optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.lr,
-                                          betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                                          weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
+            optimizer = torch.optim.AdamW(trained, lr=self.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                          eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
+                                          fused=self.device.type == "cuda")
         if "scheduler" not in self.ds:
             warmup = warmup_steps(cfg.steps, cfg.warmup_steps, cfg.warmup_ratio)
             factor = lr_factor(cfg.lr_scheduler_type, cfg.steps, warmup, cfg.min_lr_ratio)
             scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
         engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
-                                          self.module.parameters(), optimizer=optimizer, lr_scheduler=scheduler,
+                                          trained, optimizer=optimizer, lr_scheduler=scheduler,
                                           config=self.ds, mpu=self.groups)
         freed = share_master_weights(engine.optimizer) if self.levers.share_master else 0
         if freed:
@@ -277,7 +312,7 @@ class Trainer:
         if not self.resume_from:
             return 0
         self.checkpoint = self.resume_from
-        state = load_checkpoint(self.engine, self.resume_from, self.rank)
+        state = load_checkpoint(self.engine, self.resume_from, self.rank, adapters_only=self.adapters is not None)
         if "optimizer" not in self.ds:  # the checkpoint's param groups came back with their betas, eps and decay
             apply_optimizer_settings(self.engine.optimizer, self.cfg)
         if "scheduler" not in self.ds:  # ours (schedule.py); a DS-config scheduler keeps its own state
@@ -320,7 +355,8 @@ class Trainer:
         loss = f"{lv.loss} ({lv.loss_kernel})" if lv.loss == "fused" else lv.loss
         layers = self.model_config.num_hidden_layers
         checkpointed = f"{lv.checkpointed(layers)} of {layers} layers" if lv.checkpointing else "off"
-        deltanet = f" | DeltaNet SP mixers: {counts['DeltaNet SP'][0]}" if "DeltaNet SP" in counts else ""
+        deltanet = (f" | DeltaNet mixers: {counts['DeltaNet mixer'][0]} ({self.linear_kernel.name})"
+                    if "DeltaNet mixer" in counts else "")
         return (f"loss {loss} | checkpointing {checkpointed} (attention kept: {lv.keep_attention}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}{deltanet}")
@@ -333,7 +369,8 @@ class Trainer:
         """One line naming what makes this run's numbers: parallel sizes, ZeRO stage, kernel and levers."""
         zero = self.ds["zero_optimization"].get("stage", 0)
         return (f"ZeRO-{zero}, sp {self.describe_sp()} x dp {self.groups.dp_size}, kernel {self.kernel}, "
-                f"{self.describe_levers().replace(' | ', ', ')}")
+                f"{self.describe_levers().replace(' | ', ', ')}"
+                + (f", {self.adapters.describe()}" if self.adapters else ""))
 
     def micro_batch(self, step: int, micro_step: int, dp_rank: Optional[int] = None) -> dict:
         """This SP group's whole sequences for one micro-step (the same on every rank of the group); or those of
@@ -344,14 +381,15 @@ class Trainer:
         for r in range(self.micro):
             index = global_sample_index(step, micro_step, self.accum, dp_rank, g.dp_size, self.micro, r)
             rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
-        return build_batch(rows, self.cfg.packing)
+        return build_batch(rows, self.cfg.packing) if self.spec is None else preference_batch(rows, self.reference)
 
     def save(self, step: int) -> str:
         state = {"step": step, "data_position": step * self.accum * self.groups.dp_size * self.micro,
                  "seed": self.cfg.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
                  "config": self.cfg.to_dict(), "settings": self.settings}
         path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
-                               self.rank, self.cfg.save_total_limit)
+                               self.rank, self.cfg.save_total_limit, adapters=self.adapters,
+                               base_model=self.cfg.model)
         self.log(f"saved checkpoint {path}")
         self.checkpoint = path
         return path

@@ -23,8 +23,6 @@ one, to twice transformers' own fp32 error, never below `FP32_LIMIT`.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import math
 import os
@@ -38,9 +36,9 @@ import torch.distributed as dist
 
 from ..data.sources import trainable_tokens
 from ..errors import ConfigError
-from ..sp.sharding import IGNORE_INDEX, shift_labels
 from .faults import NonFiniteError
 from .loop import accumulate
+from .verify_reference import reference_step, supports_sdpa
 
 BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
 FP32_LIMIT = 1e-4  # relative: reduction order, chunked loss and partitioned gradients in fp32
@@ -58,6 +56,7 @@ class Errors:
     grad_median: float
     grad_max: float
     worst_tensor: str
+    tensors: int = 0  # compared: every parameter whose reference gradient is not zero
 
 
 def grad_norm(grads: dict) -> float:
@@ -73,7 +72,7 @@ def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) 
     norm, ref_norm = grad_norm(grads), grad_norm(ref_grads)
     worst = max(per_tensor, key=per_tensor.get)
     return Errors(abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / ref_norm,
-                  statistics.median(per_tensor.values()), per_tensor[worst], worst)
+                  statistics.median(per_tensor.values()), per_tensor[worst], worst, len(per_tensor))
 
 
 def limits(dtype: torch.dtype, transformers_errors: Optional[Errors]) -> dict:
@@ -87,141 +86,6 @@ def truth_dtype(dtype: torch.dtype, layers) -> torch.dtype:
     """The reference's dtype errors are measured against: fp32, or fp64 for an fp32 run of a model with layers that
     are not attention (the module docstring says why)."""
     return torch.float64 if dtype == torch.float32 and any(not m.attention for m in layers) else torch.float32
-
-
-# ---------------------------------------------------------------- the reference
-
-
-@contextlib.contextmanager
-def _without_zero3():
-    """transformers builds inside `zero.Init` while an HfDeepSpeedConfig for ZeRO-3 lives; the reference must not."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    saved = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
-
-
-REFERENCE_FP32_ATTENTION = "sdpa_all_heads"
-
-
-def _sdpa_all_heads(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' SDPA attention (its `sdpa_attention_forward`) with the KV heads copied to every query head, as
-    transformers itself does whenever a mask is given. Why: for grouped KV heads transformers asks SDPA for
-    `enable_gqa`, which in fp32 on CUDA no fused kernel takes, so PyTorch falls back to the math kernel that holds
-    every (s x s) score: 137 GB at 32k tokens for 32 heads. The fp32 reference uses this; the reference in the run's
-    dtype uses transformers' "sdpa" as it is."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_reference_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(REFERENCE_FP32_ATTENTION, _sdpa_all_heads)
-    AttentionMaskInterface.register(REFERENCE_FP32_ATTENTION, sdpa_mask)
-
-
-def _no_init_weights():
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # an older transformers: initialise, only slower
-        return contextlib.nullcontext()
-    return no_init_weights()
-
-
-def _supports_sdpa(model_config) -> bool:
-    """Whether transformers runs this family with SDPA (the families whose attention SDPA cannot express do not)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)], "_supports_sdpa", True)
-
-
-def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                   device: torch.device) -> tuple[float, dict, dict]:
-    """Plain transformers on `weights`: the mean over every trainable token of `batches`, the gradient of that mean
-    (fp32, CPU) and the model's own buffers. Gradient checkpointing bounds the memory; it recomputes the
-    same ops."""
-    from transformers import AutoModelForCausalLM
-
-    # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
-    # alone); the buffers are computed in __init__ exactly as with it
-    attention = "sdpa"
-    if not _supports_sdpa(model_config):  # GPT-OSS's sinks, Gemma 2's softcap: transformers' own is eager
-        attention = "eager"
-    elif dtype in (torch.float32, torch.float64):
-        _register_reference_attention()
-        attention = REFERENCE_FP32_ATTENTION
-    # fp64: transformers' grouped-matmul experts take no fp64, its eager loop does (the same sums)
-    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    with _without_zero3(), _no_init_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
-                                                 attn_implementation=attention, **experts)
-    model.tie_weights()  # part of the initialisation skipped above
-    params = dict(model.named_parameters())  # tied weights once
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise RuntimeError(f"--verify: the engine's weights do not fit a plain {type(model).__name__}: missing "
-                           f"{missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        for name, param in params.items():  # one tensor at a time: no second copy of the model in host memory
-            param.copy_(weights[name])
-    model.to(device).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    total, counts = 0.0, [trainable_tokens(b) for b in batches]
-    for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
-        if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)
-            continue
-        inputs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
-                  "use_cache": False}
-        if dtype == torch.float32:  # the model's own logits, the cross-entropy in fp64: see fp64_cross_entropy_sum
-            out = model(**inputs)
-            share = fp64_cross_entropy_sum(out.logits, shift_labels(batch["labels"]).to(device)) / max(1, sum(counts))
-            if getattr(out, "aux_loss", None) is not None:  # a MoE's load-balancing loss, as transformers adds it
-                share = share + model_config.router_aux_loss_coef * out.aux_loss * (count / max(1, sum(counts)))
-        else:  # transformers' own loss: this batch's mean
-            share = model(**inputs, labels=batch["labels"].to(device)).loss * (count / max(1, sum(counts)))
-        share.backward()
-        total += share.item()
-    grads = {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
-             for n, p in model.named_parameters()}
-    buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return total, grads, buffers
-
-
-def _ce_fp64(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def fp64_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The fp32 reference's loss: the sum of the cross-entropy of fp32 logits (b, s, V), computed in fp64, rows
-    in pieces of about 1 GiB each recomputed in the backward (no fp64 copy of every logit is kept).
-
-    Why: the reference stands for the exact gradient. transformers' loss in fp32 is F.cross_entropy, whose CPU
-    log-softmax is off by 2e-5 per token at a 49k vocabulary (levers/loss.py: cross_entropy_sum), which moved
-    SmolLM2-135M's gradients by 1e-4 (the fp32 limit) while our loss was within 3e-6 of fp64."""
-    from torch.utils.checkpoint import checkpoint
-
-    logits, labels = logits.flatten(0, -2), labels.flatten()
-    rows = max(1, 2**27 // logits.shape[-1])
-    total = logits.new_zeros((), dtype=torch.float64)
-    for start in range(0, logits.shape[0], rows):
-        total = total + checkpoint(_ce_fp64, logits[start:start + rows], labels[start:start + rows],
-                                   use_reentrant=False)
-    return total
 
 
 def buffer_mismatches(ours: dict, theirs: dict) -> list[str]:
@@ -254,10 +118,13 @@ def _gather_weights(engine, rank: int) -> dict:
 
 
 def _gather_grads(engine, rank: int) -> dict:
+    """The gradient of every trained parameter (all of them, but the frozen base under --use_peft), on rank 0."""
     from deepspeed.utils import safe_get_full_grad
 
     out = {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = safe_get_full_grad(param)
         if rank == 0:
             out[name.removeprefix("model.")] = (grad.detach().float().cpu() if grad is not None
@@ -274,6 +141,10 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     g, rank = trainer.groups, trainer.rank
     batches = [trainer.micro_batch(step, m, dp_rank=d) for d in range(g.dp_size) for m in range(trainer.accum)]
     require_targets(trainer, batches)
+    if trainer.adapters is not None:  # zero B (at initialisation) would leave A without a gradient to compare
+        from ..model.adapters import randomize_lora_b
+
+        randomize_lora_b(trainer.module, trainer.cfg.seed + step)
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
     loss, _, skipped = accumulate(trainer, step + 1, finish=False)
@@ -304,17 +175,29 @@ def _row(name: str, ours: float, theirs: Optional[float], limit: float) -> str:
     return f"  {name:<26}{ours:>12.2e}{theirs_text}{limit:>12.2e}  {verdict}"
 
 
+def _peft_version() -> str:
+    import peft
+
+    return peft.__version__
+
+
 def format_report(result: dict) -> str:
     ours, theirs, lim = result["ours"], result.get("transformers"), result["limits"]
     lines = [f"verify: one step of {result['tokens']:,} tokens x {result['sequences']} sequence(s) "
              f"({result['targets']:,} targets), {result['dtype']}, {result['setup']}",
-             f"  reference: plain transformers {result['transformers_version']}, {result.get('reference_attention', 'SDPA')} "
+             f"  reference: plain transformers {result['transformers_version']}"
+             + (f" + PEFT {result['peft_version']} (LoRA-B drawn non-zero)" if result.get("peft_version") else "")
+             + f", {result.get('reference_attention', 'SDPA')} "
              f"attention, same weights and tokens; "
              f"{result.get('truth', 'fp32')} loss {result['reference_loss']:.6f}, ours {result['loss']:.6f}",
              f"  {'error vs ' + result.get('truth', 'fp32'):<26}{'ours':>12}{'transformers':>14}{'limit':>12}"]
     for key in STATS:
         lines.append(_row(LABELS[key], ours[key], theirs[key] if theirs else None, lim[key]))
     lines.append(f"  worst tensor (ours): {ours['worst_tensor']}")
+    if "reference_logps" in result:  # DPO (train/preference_verify.py)
+        from .preference_verify import format_reference_line
+
+        lines.append(format_reference_line(result["reference_logps"]))
     bad = result["buffer_mismatches"]
     lines.append(f"  buffers: {result['buffers']} compared with plain transformers', "
                  + (f"{len(bad)} differ: {', '.join(bad)}" if bad else "all equal"))
@@ -331,6 +214,15 @@ def verify(trainer) -> int:
     return 0 if run_verify(trainer)["passed"] else 1
 
 
+def _reference_for(trainer):
+    """reference_step, or for preference training its counterpart on whole pairs (train/preference_verify.py)."""
+    if trainer.spec is None:
+        return reference_step
+    from .preference_verify import PreferenceReference
+
+    return PreferenceReference(trainer.spec, weights_are_reference=trainer.start_step == 0)
+
+
 def run_verify(trainer) -> dict:
     """Runs the check (collective); every rank returns the result that rank 0 printed and wrote to verify.json."""
     import transformers
@@ -342,23 +234,28 @@ def run_verify(trainer) -> dict:
     shared = [None]
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
+        reference_step = _reference_for(trainer)
+        extra = (trainer.adapters, trainer.cfg.model)
         ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
-                                                          trainer.device)
+                                                          trainer.device, *extra)
         ours = relative_errors(loss, grads, ref_loss, ref_grads)
         theirs = None
         if trainer.dtype != truth:  # its buffers are the ones ours must equal
             t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, trainer.dtype,
-                                                          trainer.device)
+                                                          trainer.device, *extra)
             theirs = relative_errors(t_loss, t_grads, ref_loss, ref_grads)
         lim = limits(trainer.dtype, theirs)
         failed = [LABELS[k] for k in STATS if not getattr(ours, k) <= lim[k]]
         bad_buffers = buffer_mismatches(buffers, ref_buffers)
         failed += ["buffers"] if bad_buffers else []
-        result = {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
+        checks, more = reference_step.check(truth, trainer.dtype) if hasattr(reference_step, "check") else ({}, [])
+        failed += more
+        result = checks | {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
                   "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
                   "transformers_version": transformers.__version__,
-                  "reference_attention": "SDPA" if _supports_sdpa(trainer.model_config) else "eager",
+                  "peft_version": _peft_version() if trainer.adapters is not None else None,
+                  "reference_attention": "SDPA" if supports_sdpa(trainer.model_config) else "eager",
                   "loss": loss, "reference_loss": ref_loss, "truth": "fp64" if truth == torch.float64 else "fp32",
                   "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),
                   "ours": asdict(ours), "transformers": asdict(theirs) if theirs else None, "limits": lim,

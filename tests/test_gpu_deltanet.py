@@ -1,0 +1,104 @@
+"""Gated DeltaNet on the GPU (marked gpu, skipped without CUDA): FLA's kernel inside our mixer, packed and not,
+against transformers' torch rule in fp32 on each document alone, and --linear_kernel's choice.
+
+Qwen3.5's layer at reduced width (2 key heads and 4 value heads of 128, as the real model's head size), 3 DeltaNet
+layers and one gated attention layer, in bf16 through our mixer with FLA; the reference is the same weights in fp32
+through transformers with the torch rule, each document alone. bf16 against fp32: held at 2e-2 relative per tensor
+(the median far below), where a wrong document restart or a miscompiled backward is off by order one."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SEQ = 1024
+DOCS = [300, 2, 500, 222]
+
+
+def _config():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_5_text", vocab_size=512, hidden_size=256, intermediate_size=512,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                                linear_value_head_dim=128, use_cache=False, pad_token_id=0)
+
+
+def _fla_or_skip():
+    from ulysses_train.sp.linear_kernel import fla_problem
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    problem = fla_problem(torch.device("cuda"))
+    if problem:
+        pytest.skip(problem)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _reference(state, ids, docs, monkeypatch):
+    """fp32 plain transformers with its torch rule (not the FLA binding it makes when `fla` imports), each document
+    alone: the loss (mean over targets) and gradients."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule",
+                        inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule))
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa").cuda()
+    model.load_state_dict(state)
+    bounds = [0, *torch.tensor(docs).cumsum(0).tolist()]
+    targets = SEQ - len(docs)
+    loss = sum(model(input_ids=ids[:, a:b], labels=ids[:, a:b]).loss * (b - a - 1)
+               for a, b in zip(bounds[:-1], bounds[1:])) / targets
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_mixer_in_bf16_matches_the_torch_rule_in_fp32(packed, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.model.surgery import install_deltanet_mixers, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.linear_kernel import LinearKernel
+    from ulysses_train.sp.sharding import shard_sequence
+
+    _fla_or_skip()
+    attention = register_ulysses_attention(None, "sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="ulysses").cuda()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, 512, (1, SEQ), generator=torch.Generator().manual_seed(1)).cuda()
+    docs = DOCS if packed else [SEQ]
+    attention.doc_lengths = [docs] if packed else None
+    model.to(torch.bfloat16)
+    install_loss_head(model)
+    assert install_deltanet_mixers(model, None, LinearKernel("fla"), attention if packed else None) == 3
+    labels, positions = ids.clone(), torch.cat([torch.arange(n) for n in docs])[None].cuda()
+    labels[0, torch.tensor([0, *torch.tensor(docs).cumsum(0)[:-1].tolist()])] = -100
+    shard = shard_sequence(ids, 1, 0, labels=labels, position_ids=positions)
+    loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
+                                     global_token_count(shard["labels"], None))
+    loss.backward()
+    ref_loss, ref_grads = _reference(state, ids, docs, monkeypatch)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-2)
+    errors = {n: _rel(p.grad, ref_grads[n]) for n, p in model.named_parameters() if ref_grads[n].norm() > 0}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 2e-2, (worst, errors[worst])
+
+
+def test_linear_kernel_auto_picks_fla_where_it_runs_and_agrees():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from ulysses_train.sp.linear_kernel import choose_linear_kernel, self_check
+    import inspect
+
+    _fla_or_skip()
+    rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    assert self_check(torch.device("cuda"), rule) is None
+    assert choose_linear_kernel("auto", torch.device("cuda"), rule).name == "fla"

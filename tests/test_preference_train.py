@@ -1,0 +1,123 @@
+"""Preference training through the trainer under SP: DPO and SimPO at SP=4 reproduce one process step by step
+(loss, gradient norm, TRL's metrics; the reference log-probs computed under SP=4 and in one process agree),
+`--verify` passes for DPO (SP=2 x DP=2, two pairs a micro-batch), SimPO (Ulysses 2 x ring 2) and ORPO on
+conversational pairs (DPO's cached reference log-probs checked against plain transformers too), and a resumed DPO
+run computes its reference from the initial weights, not the checkpoint's.
+
+Two launches: four gloo ranks for the sharded runs, one for the single-process ones, each running several trainers
+in turn. Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
+the ranks."""
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.distributed import run_distributed
+from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+         "thirteen"]
+
+
+def _pairs(n=24, messages=False):
+    rows = []
+    for i in range(n):
+        a, b = i % 7, (3 * i) % 6
+        question, good, bad = f"What is {WORDS[a]} plus {WORDS[b]}?", WORDS[a + b], WORDS[(a + b + 3) % 13]
+        if messages:
+            rows.append({"prompt": [{"role": "user", "content": question}],
+                         "chosen": [{"role": "assistant", "content": f"{good.capitalize()}."}],
+                         "rejected": [{"role": "assistant", "content": f"Maybe {bad}, or so."}]})
+        else:
+            rows.append({"prompt": question, "chosen": f" {good}.", "rejected": f" {bad} or so" + " or so" * (i % 3)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("preference_train")
+    tiny_tokenizer().save_pretrained(folder / "tokenizer")
+    (folder / "chatml.jinja").write_text(CHATML_QWEN)
+    return {"folder": folder, "tokenizer": str(folder / "tokenizer"), "template": str(folder / "chatml.jinja"),
+            "pairs": write_jsonl(folder / "pairs.jsonl", _pairs()),
+            "chats": write_jsonl(folder / "chats.jsonl", _pairs(messages=True))}
+
+
+def _run(rank, world, runs, tmp):
+    """Each (name, argv) in turn: training returns its metrics, --verify its result; with the reference log-probs."""
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.loop import train
+    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.verify import run_verify
+
+    out = {}
+    for name, argv in runs:
+        if name.startswith("resume") and rank == 0:  # the reference must come from the initial weights again
+            for folder in glob.glob(os.path.join(tmp, "cache_" + name.split("_", 1)[1], "*", "reference")):
+                shutil.rmtree(folder)
+        cfg, explicit = parse_args(argv + ["--output_dir", os.path.join(tmp, name.removeprefix("resume_"))])
+        trainer = Trainer(cfg, explicit)
+        result = run_verify(trainer) if cfg.verify else train(trainer)
+        if trainer.lock is not None:
+            trainer.lock.release()
+        out[name] = (result, trainer.reference)
+    return out
+
+
+def _argv(files, tmp, cache, method="dpo", data="pairs", *extra):
+    return ["--method", method, "--dataset", files[data], "--tokenizer", files["tokenizer"], "--chat_template",
+            files["template"], "--data_cache_dir", os.path.join(tmp, f"cache_{cache}"), "--seq_len", "128",
+            "--packing", "--steps", "3", "--lr", "3e-3", "--warmup_steps", "0", "--beta", "0.5", *extra]
+
+
+def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
+    tmp = str(files["folder"])
+    sharded = [("dpo_sp4", _argv(files, tmp, "sp4", "dpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
+               ("simpo_sp4", _argv(files, tmp, "sp4", "simpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
+               ("verify_dpo", _argv(files, tmp, "chat", "dpo", "chats", "--sp_size", "2", "--verify",
+                                    "--verify_seq_len", "256", "--micro_batch_size", "2", "--loss_type", "ipo")),
+               ("verify_simpo", _argv(files, tmp, "chat", "simpo", "chats", "--sp_size", "4", "--ring_size", "2",
+                                      "--verify", "--verify_seq_len", "256")),
+               ("verify_orpo", _argv(files, tmp, "chat", "orpo", "chats", "--sp_size", "2", "--verify",
+                                     "--verify_seq_len", "256", "--loss", "plain"))]
+    four = run_distributed(_run, 4, sharded, tmp, use_deepspeed=True)[0]
+    single = [("dpo", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2")),
+              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2", "--save_final", "false")),
+              ("resume_one", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2",
+                                   "--resume", os.path.join(tmp, "dpo", "checkpoints", "step_00000002")))]
+    one = run_distributed(_run, 1, single, tmp, use_deepspeed=True)[0]
+    # sequences straddle the SP ranks: a packed row of three or more pairs, 128 tokens over 4 ranks
+    for ours, theirs in (("dpo_sp4", "dpo"), ("simpo_sp4", "simpo")):
+        records, reference = four[ours]
+        expected, expected_reference = one[theirs]
+        assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"], ours
+        for r, e in zip(records, expected):
+            assert (r["num_tokens"], r["conversations"]) == (e["num_tokens"], e["conversations"])
+            assert r["conversations"] >= 4  # two micro-batches of packed rows, several pairs each
+            assert r["loss"] == pytest.approx(e["loss"], rel=1e-5) and r["grad_norm"] == pytest.approx(
+                e["grad_norm"], rel=1e-4), (ours, r, e)
+            for key, value in e["preference"].items():
+                assert r["preference"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours, key)
+        if reference is not None:  # computed under SP 4 and in one process: the same log-probs
+            assert np.allclose(reference, expected_reference, rtol=1e-6)
+    assert four["dpo_sp4"][0][0]["preference"]["rewards/margins"] == 0.0  # the policy starts as the reference
+    assert one["dpo"][0][-1]["preference"]["rewards/accuracies"] > 0.5
+    for name in ("verify_dpo", "verify_simpo", "verify_orpo"):
+        result = four[name][0]
+        assert result["passed"], (name, result)
+        assert result["ours"]["loss"] < 1e-5 and result["ours"]["grad_max"] < 1e-4, (name, result["ours"])
+    assert four["verify_dpo"][0]["reference_logps"]["compared"]
+    assert four["verify_dpo"][0]["reference_logps"]["ours"] < 1e-6
+    assert "sp 2 x dp 2" in four["verify_dpo"][0]["setup"] and four["verify_dpo"][0]["sequences"] == 4
+    assert "sp 4 (Ulysses 2 x ring 2)" in four["verify_simpo"][0]["setup"]
+    # the resumed run recomputed its reference (the cache was removed) from the initial weights: step 3 again
+    resumed, reference = one["resume_one"]
+    assert [r["step"] for r in resumed] == [3]
+    assert np.array_equal(reference, one["dpo"][1])
+    assert resumed[0]["loss"] == pytest.approx(one["dpo"][0][2]["loss"], rel=1e-6)
+    cached = glob.glob(os.path.join(tmp, "cache_one", "*", "reference", "*.json"))
+    assert len(cached) == 1 and json.load(open(cached[0]))["pairs"] == 24

@@ -1,0 +1,134 @@
+"""Which kernel runs the gated delta rule of the Gated DeltaNet layers (`--linear_kernel`), chosen once per run.
+
+- `fla`: flash-linear-attention's chunked kernel (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`, Triton; `pip
+  install -e ".[fla]"`). It takes packed documents as `cu_seqlens`. On CUDA only. On Hopper GPUs with Triton from
+  3.4 up to (not including) 3.7.1, FLA's gated backward (`chunk_bwd_dqkwg`) is wrong unless `tilelang` is installed,
+  which FLA then uses for it; FLA refuses that backward itself, at the first step.
+- `torch`: transformers' reference implementation in the layer's own modeling file (`torch_chunk_gated_delta_rule`),
+  exact, on any device, and more than ten times slower on a GPU.
+- `auto`: `fla` where it runs and agrees with `torch` in a self-check at start-up (forward and gradients on a small
+  packed batch), else `torch`, the reason in the log (as `--loss_kernel auto` does for Liger-Kernel).
+
+Why we choose instead of transformers: transformers binds FLA at import whenever `fla` imports, on any device, and
+learns about Hopper's Triton only when a backward raises. The mixers (deltanet.py) call the kernel chosen here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import ConfigError
+
+LINEAR_KERNELS = ("auto", "fla", "torch")
+SELF_CHECK_LIMIT = 2e-2  # relative, bf16 inputs: a kernel that miscompiles is off by order one
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    name: str  # "fla" or "torch"
+    why: str = ""  # under auto: why this one
+
+    def rule(self, module) -> Callable:
+        """The gated delta rule for `module` (a DeltaNet mixer): FLA's, or its modeling file's torch function
+        (unwrapped from transformers' kernel dispatch, which would hand it FLA's when `fla` imports)."""
+        if self.name == "fla":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            return chunk_gated_delta_rule
+        return inspect.unwrap(sys.modules[type(module).__module__].torch_chunk_gated_delta_rule)
+
+    @property
+    def grouped_values(self) -> bool:
+        """Whether the rule takes fewer key heads than value heads itself (FLA's does; transformers' torch rule
+        does only in some versions, so the mixer repeats the key heads for it)."""
+        return self.name == "fla"
+
+    @property
+    def takes_documents(self) -> bool:
+        """Whether one call restarts at `cu_seqlens` (else the mixer calls it document by document)."""
+        return self.name == "fla"
+
+
+def fla_problem(device: torch.device) -> Optional[str]:
+    """Why FLA cannot run the gated delta rule here (None: it can)."""
+    if device.type != "cuda":
+        return f"FLA's kernels run on CUDA, not on {device.type}"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - an install that does not import is as absent
+        return f"flash-linear-attention does not import ({type(e).__name__}: {e}); pip install -e \".[fla]\""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    if hopper and (3, 4, 0) <= version < (3, 7, 1):
+        try:
+            import tilelang  # noqa: F401
+        except Exception:  # noqa: BLE001
+            return (f"FLA's gated backward is wrong on Hopper with Triton {triton.__version__} unless tilelang is "
+                    f"installed: pip install tilelang (or Triton >= 3.7.1)")
+    return None
+
+
+def self_check(device: torch.device, torch_rule: Callable) -> Optional[str]:
+    """FLA against the torch rule on a small packed batch, bf16, forward and gradients; None when they agree."""
+    with torch.enable_grad():
+        return _compare(device, torch_rule)
+
+
+def _compare(device: torch.device, torch_rule: Callable) -> Optional[str]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g = torch.Generator(device=device).manual_seed(0)
+    nk, nv, d, docs = 2, 4, 64, [100, 28, 128]
+    length = sum(docs)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    inputs = [rand(1, length, nk, d), rand(1, length, nk, d), rand(1, length, nv, d),
+              -torch.rand(1, length, nv, generator=g, device=device), torch.rand(1, length, nv, generator=g,
+                                                                                device=device)]
+    # as the mixer passes them: q, k, v and beta in the model's dtype, the decay g in fp32
+    inputs = [x.to(torch.bfloat16).requires_grad_() for x in inputs[:3]] + [
+        inputs[3].requires_grad_(), inputs[4].to(torch.bfloat16).requires_grad_()]
+    bounds = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device)
+    options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    grad_out = rand(1, length, nv, d).to(torch.bfloat16)
+    fla_out = chunk_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=bounds, **options)[0]
+    fla_grads = torch.autograd.grad(fla_out, inputs, grad_out)
+    q, k = (x.repeat_interleave(nv // nk, dim=2) for x in inputs[:2])  # the torch rule's heads, as the mixer's
+    ref_out = torch.cat([torch_rule(*(x[:, a:b].float() for x in (q, k, inputs[2])), g=inputs[3][:, a:b],
+                                    beta=inputs[4][:, a:b].float(), **options)[0]
+                         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())], dim=1)
+    ref_grads = torch.autograd.grad(ref_out, inputs, grad_out.float())
+    names = ["output", "dq", "dk", "dv", "dg", "dbeta"]
+    for name, ours, ref in zip(names, [fla_out, *fla_grads], [ref_out, *ref_grads]):
+        error = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+        if not error <= SELF_CHECK_LIMIT:
+            return f"FLA's {name} is {error:.1e} off the torch reference (limit {SELF_CHECK_LIMIT:.0e})"
+    return None
+
+
+def choose_linear_kernel(request: str, device: torch.device, torch_rule: Callable) -> LinearKernel:
+    """--linear_kernel resolved on this device: `fla` asked for and impossible is a ConfigError naming the flag."""
+    if request not in LINEAR_KERNELS:
+        raise ConfigError(f"--linear_kernel {request}: choose one of {', '.join(LINEAR_KERNELS)}")
+    if request == "torch":
+        return LinearKernel("torch")
+    problem = fla_problem(device)
+    if problem is None:
+        try:
+            problem = self_check(device, torch_rule)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to run is a reason, not a crash
+            problem = f"FLA's self-check raised {type(e).__name__}: {str(e)[:300]}"
+    if problem is None:
+        return LinearKernel("fla", "auto: FLA agrees with the torch rule" if request == "auto" else "")
+    if request == "fla":
+        raise ConfigError(f"--linear_kernel fla: {problem}; use --linear_kernel auto or torch")
+    return LinearKernel("torch", f"auto: torch, FLA is not used: {problem}")

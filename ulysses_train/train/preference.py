@@ -1,0 +1,132 @@
+"""Preference training in the loop (--method dpo|simpo|orpo): the flags' checks, a step's counts, each micro-batch's
+objective, and the metrics TRL logs.
+
+A step is the SFT step (loop.py) with another objective: every rank of an SP group holds the micro-batch's whole
+rows of pairs (data/pair_packing.py), shards them with their `segments`, and the LM head returns the preference loss
+(levers/preference_loss.py) normalised by the pairs of the whole optimizer step (every micro-batch, every DP rank;
+ORPO's NLL by the step's chosen completion tokens). DeepSpeed's averaging is undone as for SFT. The metrics are
+TRL's: the means over the step's pairs of rewards/chosen, rewards/rejected, rewards/accuracies (chosen above
+rejected), rewards/margins, logps/chosen, logps/rejected (for SimPO and ORPO per-token means, as TRL's CPO and ORPO
+log them), and for ORPO nll_loss, log_odds_ratio and log_odds_chosen; `num_tokens` counts the scored completion
+tokens and `conversations` the pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..levers.preference_loss import PreferenceObjective, PreferenceSpec
+from ..sp.sharding import shard_sequence
+from .loop import forward_backward
+
+
+def check_preference_flags(cfg) -> None:
+    """The preference flags against each other and the rest (TrainConfig.validate calls it)."""
+    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None}
+    if cfg.method == "sft":
+        given = [f"--{k}" for k, v in defaults.items() if getattr(cfg, k) != v]
+        if given:
+            raise ConfigError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to preference training: "
+                              f"give --method dpo, simpo or orpo")
+        return
+    if not cfg.dataset:
+        raise ConfigError(f"--method {cfg.method} trains on preference pairs: give --dataset with `prompt`, `chosen` "
+                          f"and `rejected` columns (or `chosen` and `rejected` sharing the prompt)")
+    if not cfg.beta > 0:
+        raise ConfigError(f"--beta must be positive, got {cfg.beta}")
+    if cfg.loss_type != "sigmoid" and cfg.method != "dpo":
+        raise ConfigError(f"--loss_type {cfg.loss_type} applies to --method dpo ({cfg.method} has its own loss)")
+    if cfg.simpo_gamma != defaults["simpo_gamma"] and cfg.method != "simpo":
+        raise ConfigError("--simpo_gamma applies to --method simpo")
+    if cfg.data_format != "auto" or cfg.loss_on not in ("auto", "completion") or cfg.text_column:
+        raise ConfigError(f"--method {cfg.method} reads preference pairs (prompt/chosen/rejected) and scores their "
+                          f"completions: leave --data_format, --loss_on and --text_column unset")
+    if cfg.eval_dataset:
+        raise ConfigError(f"--eval_dataset is evaluated with the SFT loss; with --method {cfg.method} leave it unset")
+    if cfg.max_length is not None and cfg.max_length <= 0:
+        raise ConfigError(f"--max_length must be positive, got {cfg.max_length}")
+    if cfg.max_length is not None and 2 * cfg.max_length > cfg.seq_len:
+        raise ConfigError(f"--seq_len {cfg.seq_len} holds both sides of a pair: it must be at least 2 x --max_length "
+                          f"({cfg.max_length})")
+
+
+def preference_spec(cfg) -> Optional[PreferenceSpec]:
+    """The run's loss, or None for SFT."""
+    if cfg.method == "sft":
+        return None
+    return PreferenceSpec(cfg.method, cfg.beta, cfg.loss_type, cfg.simpo_gamma)
+
+
+def shard_segments(run, batch: dict) -> torch.Tensor:
+    """This rank's shard of the batch's `segments`, shifted and padded as the labels are (sp/sharding.py)."""
+    g = run.groups
+    return shard_sequence(batch["input_ids"], g.sp_size, g.sp_rank, labels=batch["segments"],
+                          ring_size=g.ring_size)["labels"].to(run.device)
+
+
+def step_counts(run, batches: list[dict]) -> torch.Tensor:
+    """[scored tokens, pairs, chosen scored tokens] of a whole optimizer step (every micro-batch of every DP rank):
+    the normalisers, counted from the whole rows every rank of an SP group holds."""
+    counts = torch.tensor([[int((b["segments"] >= 0).sum()), len(b["scored"]), int(b["scored"][:, 0].sum())]
+                           for b in batches], dtype=torch.float64, device=run.device).sum(dim=0)
+    if run.groups.dp_size > 1:
+        dist.all_reduce(counts, group=run.groups.dp_group)
+    return counts
+
+
+def objective_for(run, batch: dict, counts: torch.Tensor) -> PreferenceObjective:
+    reference = batch.get("reference")
+    return PreferenceObjective(run.spec, shard_segments(run, batch), batch["scored"].to(run.device), reference,
+                               pairs_total=float(counts[1]), chosen_tokens_total=max(1.0, float(counts[2])),
+                               sp_group=run.groups.sp_group if run.groups.sp_size > 1 else None)
+
+
+def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """loop.accumulate for preference pairs: every micro-step of optimizer step `step` (1-based) and the optimizer
+    step unless `finish` is False. Returns the loss, [scored tokens, pairs] and whether the step was skipped; leaves
+    the step's metrics in `run.preference_stats`."""
+    keys = run.spec.stat_keys()
+    batches = [run.micro_batch(step - 1, m) for m in range(run.accum)]
+    counts = step_counts(run, batches)
+    total, skipped = torch.zeros((), device=run.device), False
+    stats = torch.zeros(len(keys), dtype=torch.float64, device=run.device)
+    for micro_step, batch in enumerate(batches):
+        objective = objective_for(run, batch, counts)
+        loss, skipped = forward_backward(run, batch, step, counts[0], objective)
+        if not skipped and (finish or micro_step < run.accum - 1):
+            run.engine.step()
+        total += loss
+        stats += torch.tensor([objective.stats.get(k, 0.0) for k in keys], dtype=torch.float64, device=run.device)
+    if run.groups.dp_size > 1:  # every rank of an SP group holds the same stats: sum one per group
+        dist.all_reduce(total, group=run.groups.dp_group)
+        dist.all_reduce(stats, group=run.groups.dp_group)
+    pairs = max(1.0, float(counts[1]))
+    run.preference_stats = {k: float(v) if k == "nll_loss" else float(v) / pairs for k, v in zip(keys, stats)}
+    return total, counts[:2], skipped
+
+
+def unpack_pairs(batch: dict) -> list[dict]:
+    """Each pair of a batch as TRL sees it, in the batch's pair order: `prompt_chosen`, `prompt_rejected` (n,) token
+    ids, `chosen_mask`, `rejected_mask` (n,) 1 on the scored tokens, `ref` (2,) or None (for the checks that run
+    plain transformers on whole pairs)."""
+    pairs: dict = {}
+    for r, lengths in enumerate(batch["docs"]):
+        start = 0
+        for n in lengths:
+            seg = batch["segments"][r, start:start + n]
+            scored = seg[seg >= 0]
+            if len(scored):  # a side (the padding scores nothing)
+                k = int(scored[0])
+                name = ("chosen", "rejected")[k % 2]
+                pairs.setdefault(k // 2, {})[f"prompt_{name}"] = batch["input_ids"][r, start:start + n]
+                pairs[k // 2][f"{name}_mask"] = (seg >= 0).long()
+            start += n
+    reference = batch.get("reference")
+    out = [pairs[k] | {"ref": None if reference is None else reference[k]} for k in sorted(pairs)]
+    if len(out) != len(batch["scored"]) or any(len(pair) != 5 for pair in out):
+        raise RuntimeError("a pair of the batch lacks a side")
+    return out

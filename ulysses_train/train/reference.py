@@ -1,0 +1,156 @@
+"""DPO's reference log-probs: computed once per dataset by a forward pass under SP, cached beside the token store.
+
+The reference is the policy's initial weights (full fine-tuning: the weights the run starts from, before any
+checkpoint is loaded, so a resumed run's reference is still its start). Every pair's two sequence log-probs (the
+sums over each side's scored tokens, fp64) are computed by the trainer's own engine, forward only, at the run's row
+length under SP (the rows split over the DP groups, as evaluation splits them), and stored as
+
+    <token store>/reference/<key>.npy   (pairs, 2) float64: chosen, rejected
+    <token store>/reference/<key>.json  what keyed it, and how long it took
+
+The key is a digest of the reference weights themselves (every parameter, gathered under ZeRO-3: name, shape,
+dtype and an exact integer checksum of its bits, computed on the device), the model config (rotary scaling and the
+like change the forward) and --max_length / --truncation (they change the pairs); the token store's folder already
+keys the data, tokenizer and template. A second run on the same data and weights (another SP size, --packing or
+not, a resume) reads the file; any other weights compute their own.
+
+Adapters (LoRA): the reference is the base model with the adapters off. `reference_context(model)` is the one
+place that says how the reference forward runs; with PEFT's `disable_adapter()` on the model it switches the
+adapters off, so the same pass (and an on-the-fly reference at any step) computes the base model's log-probs,
+and `reference_parameters(model)` leaves the adapters' weights out of the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..data.pair_packing import preference_batch
+from ..levers.preference_loss import PreferenceObjective
+from .preference import shard_segments
+from .shards import shard_batch
+
+REFERENCE_FORMAT = 1  # bump when what is computed or how it is keyed changes
+_PRIME = 2**31 - 1
+_CHUNK = 1 << 22  # elements per checksum chunk: an int64 index of 32 MB
+
+
+def reference_context(model):
+    """How the reference forward runs on `model`: as it is (full fine-tuning, before the first step), or with its
+    adapters switched off where the model has them (PEFT's `disable_adapter()`)."""
+    disable = getattr(model, "disable_adapter", None)
+    return disable() if callable(disable) else contextlib.nullcontext()
+
+
+def reference_parameters(model):
+    """The (name, parameter) pairs the reference is a function of: every parameter but adapters' (LoRA's `lora_`)."""
+    return [(n, p) for n, p in model.named_parameters() if "lora_" not in n]
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Two exact checksums of a tensor's bits, each sum_i (bits_i mod p + 1) x h(i) mod p (p = 2^31 - 1, h two
+    index hashes): integer arithmetic on the tensor's device, so the same bits give the same numbers anywhere."""
+    flat = t.detach().flatten()
+    bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    totals = [0, 0]
+    for start in range(0, len(bits), _CHUNK):
+        chunk = bits[start:start + _CHUNK].to(torch.int64) % _PRIME + 1
+        index = torch.arange(start, start + len(chunk), dtype=torch.int64, device=t.device)
+        for k, (a, b) in enumerate(((48271, 11), (69621, 7919))):
+            totals[k] = (totals[k] + int(((chunk * ((index * a + b) % _PRIME)) % _PRIME).sum())) % _PRIME
+    return totals[0], totals[1]
+
+
+def weights_digest(named_parameters) -> str:
+    """A digest of the parameters' names, shapes, dtypes and bits (collective under ZeRO-3: each is gathered)."""
+    from deepspeed import zero
+
+    digest = hashlib.sha256()
+    for name, param in named_parameters:
+        gathered = zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext()
+        with gathered:
+            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{_checksum(param.data)}".encode())
+    return digest.hexdigest()
+
+
+def reference_key(run) -> tuple[str, dict]:
+    samples = run.source.samples
+    model = run.module.model
+    settings = {"format": REFERENCE_FORMAT, "weights": weights_digest(reference_parameters(model)),
+                "model_config": model.config.to_json_string(use_diff=False),
+                "max_length": samples.max_length, "truncation": samples.truncation, "pairs": samples.num_pairs}
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
+
+
+def _read(path: str, pairs: int):
+    try:
+        values = np.load(path)
+    except (OSError, ValueError, EOFError):
+        return None
+    return values if values.shape == (pairs, 2) and values.dtype == np.float64 and np.isfinite(values).all() else None
+
+
+def reference_logps(run) -> np.ndarray:
+    """(pairs, 2) float64: every pair's reference log-probs, from the cache or computed now (collective)."""
+    samples = run.source.samples
+    key, settings = reference_key(run)
+    folder = os.path.join(samples.store.folder, "reference")
+    path = os.path.join(folder, f"{key}.npy")
+    found = [run.rank == 0 and _read(path, samples.num_pairs) is not None]
+    dist.broadcast_object_list(found, src=0)  # every rank reads the file, or every rank computes
+    values = _read(path, samples.num_pairs) if found[0] else None
+    if values is not None:
+        run.log(f"reference: log-probs of {samples.num_pairs:,} pairs read from {path}")
+        return values
+    if found[0]:
+        raise RuntimeError(f"rank {run.rank} cannot read {path}, which rank 0 read: is --data_cache_dir shared?")
+    start = time.perf_counter()
+    values = reference_pass(run)
+    seconds = time.perf_counter() - start
+    if run.rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{key}.{uuid.uuid4().hex}.tmp")
+        with open(tmp + ".npy", "wb") as f:
+            np.save(f, values)
+        with open(os.path.join(folder, f"{key}.json"), "w") as f:
+            json.dump({**settings, "seconds": seconds, "rows": len(samples)}, f, indent=1)
+        os.replace(tmp + ".npy", path)  # atomic: a reader sees the whole file or none
+    dist.barrier()
+    run.log(f"reference: log-probs of {samples.num_pairs:,} pairs in {len(samples):,} rows computed in "
+            f"{seconds:.1f} s (forward under SP), cached in {path}")
+    return values
+
+
+def reference_pass(run) -> np.ndarray:
+    """The forward pass over every row of the dataset (no gradient); each DP group takes every dp-th micro-batch.
+    Micro-batches past the last row repeat it and are not counted, so every rank takes part in every collective."""
+    g, micro, samples = run.groups, run.micro, run.source.samples
+    values = torch.zeros(samples.num_pairs, 2, dtype=torch.float64, device=run.device)
+    rows = len(samples)
+    run.engine.eval()
+    try:
+        with torch.no_grad(), reference_context(run.module.model):
+            for first in range(0, rows, micro * g.dp_size):
+                indices = [first + g.dp_rank * micro + r for r in range(micro)]
+                picked = [run.source.get(min(i, rows - 1)) for i in indices]
+                batch = preference_batch(picked)
+                shard = shard_batch(run, batch)
+                objective = PreferenceObjective(None, shard_segments(run, batch), batch["scored"],
+                                                sp_group=g.sp_group if g.sp_size > 1 else None)
+                run.engine(shard["input_ids"], shard["position_ids"], shard["labels"],
+                           torch.ones((), device=run.device), objective=objective)
+                counted = torch.tensor([i < rows for i, row in zip(indices, picked) for _ in row.pairs])
+                if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
+                    values[batch["pair_ids"][counted].to(run.device)] = objective.sums[counted.to(run.device)]
+    finally:
+        run.engine.train()
+    dist.all_reduce(values)
+    return values.cpu().numpy()
