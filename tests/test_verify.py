@@ -82,7 +82,7 @@ def test_verify_fails_on_a_fault_and_names_it(tmp_path, fault, failed):
 def test_verify_command_line(tmp_path):
     out = run(deepspeed_launcher(2), ["--verify", "--verify_seq_len", "128"], tmp_path)
     assert "verdict: PASS" in out.stdout and "per-tensor grad, max" in out.stdout
-    with open(tmp_path / "verify.json") as f:
+    with open(tmp_path / "verify" / "verify.json") as f:
         assert json.load(f)["passed"] is True
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
 

@@ -41,6 +41,7 @@ from ..errors import ConfigError
 from ..sp.sharding import IGNORE_INDEX, shift_labels
 from .faults import NonFiniteError
 from .loop import accumulate
+from .trainer import verify_folder
 
 BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
 FP32_LIMIT = 1e-4  # relative: reduction order, chunked loss and partitioned gradients in fp32
@@ -366,8 +367,8 @@ def run_verify(trainer) -> dict:
                   "seconds": {"ours": ours_s, "reference": time.perf_counter() - start - ours_s},
                   "failed": failed, "passed": not failed}
         print(format_report(result), flush=True)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, "verify.json"), "w") as f:
+        os.makedirs(verify_folder(cfg), exist_ok=True)
+        with open(os.path.join(verify_folder(cfg), "verify.json"), "w") as f:
             json.dump(result, f, indent=1)
         shared = [result]
     dist.broadcast_object_list(shared, src=0)
