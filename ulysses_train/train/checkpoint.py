@@ -258,10 +258,10 @@ def _agree(error: Optional[str], name: str, previous: Optional[str], tmp: str, r
 
 class _RecordedWrites:
     """During one DeepSpeed save, its writers (its checkpoint engine's `save`, and the copy of its recovery
-    scripts) record their first error instead of raising it, and write nothing after it. DeepSpeed's save has
-    collectives after its writes (a barrier): a rank whose write raised would skip them, and meet the others in
-    our agreement instead, a mismatch that hangs. So every rank runs DeepSpeed's save to its end, then raises what
-    was recorded. The checkpoint engine is DeepSpeed's pluggable writer; without one this fails loudly, naming the
+    scripts; its `latest` file is not asked for) record their first error instead of raising it, and write nothing
+    after it. DeepSpeed's save has collectives after its writes (a barrier): a rank whose write raised would skip
+    them, and meet the others in our agreement instead, a mismatch that hangs. So every rank runs DeepSpeed's save
+    to its end, then raises what was recorded. The checkpoint engine is DeepSpeed's pluggable writer; without one this fails loudly, naming the
     DeepSpeed version."""
 
     def __init__(self, engine):
@@ -297,13 +297,14 @@ class _RecordedWrites:
 
 
 def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config, tokenizer, rank: int) -> None:
-    with _RecordedWrites(engine) as writes:
-        engine.save_checkpoint(tmp, tag="ds")
+    with _RecordedWrites(engine) as writes:  # DeepSpeed's own `latest` is written below: its write is not recorded
+        engine.save_checkpoint(tmp, tag="ds", save_latest=False)
     if writes.error is not None:
         raise writes.error
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     inject_in_save(step, rank)
     if rank == 0:
+        write_text_atomically(os.path.join(tmp, LATEST), "ds")  # for DeepSpeed's zero_to_fp32.py run in the folder
         write_text_atomically(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1))
         model_config.save_pretrained(os.path.join(tmp, "model"))
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
