@@ -136,6 +136,8 @@ def test_unknown_flag_is_one_message():
 
 @pytest.mark.parametrize("text, message", [
     ("seq_len: 64\nsteps: 2\nseq_len: 128\n", r"the key 'seq_len' appears twice \(lines 1 and 3\); keep one"),
+    ("steps: 2\nmax_steps: 3\n", r"'steps' and 'max_steps' set the same flag; keep one"),
+    ("seq-len: 64\nseq_len: 128\n", r"'seq-len' and 'seq_len' set the same flag; keep one"),
     ("help: true\n", r"'help' cannot be set in a config file"),
     ("config: other.yaml\n", r"'config' cannot be set in a config file"),
     ("seq_len: many\n", r"seq_len: 'many' is not a valid int"),

@@ -190,7 +190,7 @@ def assistant_mask(tokenizer, template: str, messages: list) -> tuple[list[int],
     if has_generation_markers(template) and getattr(tokenizer, "is_fast", True):  # the mask needs token offsets
         ids, mask = marker_mask(tokenizer, template, messages)
         if any(mask) or not has_assistant:
-            check_marked_in_assistant_messages(tokenizer, template, messages, ids, mask)
+            check_marked_in_assistant_messages(tokenizer, template, messages)
             return ids, mask
     try:
         return prefix_mask(tokenizer, template, messages)
@@ -200,38 +200,42 @@ def assistant_mask(tokenizer, template: str, messages: list) -> tuple[list[int],
         raise ConfigError(f"--chat_template: cannot find the assistant's tokens: {markers}, and {e}; {FIX}") from None
 
 
-def message_ends(tokenizer, template: str, messages: list, ids: list[int]) -> Optional[list[int]]:
-    """Where each message's rendering (header, content, end of turn, separator) ends in `ids`, the whole
-    conversation's tokens: the length of the messages up to it rendered. None when those renderings are not
-    prefixes of `ids` (then nothing can be said)."""
+def message_ends(tokenizer, template: str, messages: list, text: str) -> Optional[list[int]]:
+    """Where each message's rendering (header, content, end of turn, separator) ends in `text`, the whole
+    conversation rendered: the length of the messages up to it rendered. None when those renderings are not
+    prefixes of `text` (then nothing can be said). Characters, not tokens: rendering is cheap, tokenizing each
+    prefix would not be."""
     ends = []
     for i in range(len(messages)):
-        upto = rendered_ids(tokenizer, template, messages[:i + 1])
-        if ids[:len(upto)] != upto:
+        upto = render(tokenizer, template, messages[:i + 1])[0]
+        if not text.startswith(upto):
             return None
         ends.append(len(upto))
     return ends
 
 
-def check_marked_in_assistant_messages(tokenizer, template: str, messages: list, ids: list[int],
-                                       mask: list[int]) -> None:
-    """A ConfigError naming --chat_template, with the counts, when the template's generation markers enclose tokens
-    outside the assistant's messages: those would be trained while the log says "loss on assistant"."""
-    marked = np.flatnonzero(np.asarray(mask, dtype=np.int8))
-    if not len(marked):
+def check_marked_in_assistant_messages(tokenizer, template: str, messages: list) -> None:
+    """A ConfigError naming --chat_template, with the counts, when the template's generation markers enclose text
+    outside the assistant's messages: it would be trained while the log says "loss on assistant"."""
+    text, spans = render(tokenizer, template, messages, spans=True)
+    marked = np.zeros(len(text), dtype=bool)
+    for start, end in spans:
+        marked[start:end] = True
+    if not marked.any():
         return
-    ends = message_ends(tokenizer, template, messages, ids)
+    ends = message_ends(tokenizer, template, messages, text)
     if ends is None:
         return  # the template does not grow by whole messages: its markers are all there is to go by
-    owner = np.searchsorted(np.asarray(ends), marked, side="right")  # the message each marked token is in
+    positions = np.flatnonzero(marked)
+    owner = np.searchsorted(np.asarray(ends), positions, side="right")  # the message each marked character is in
     roles = np.asarray([str(m.get("role")) for m in messages] + ["(after the last message)"], dtype=object)
     outside = roles[owner] != "assistant"
     if not outside.any():
         return
     where = ", ".join(sorted(set(roles[owner[outside]])))
     raise ConfigError(f"--chat_template: its {{% generation %}} markers enclose {int(outside.sum())} of the "
-                      f"conversation's {len(ids)} tokens outside the assistant's messages (in: {where}; "
-                      f"{int((~outside).sum())} marked tokens are in assistant messages): they would be trained. "
+                      f"conversation's {len(text)} characters outside the assistant's messages (in: {where}; "
+                      f"{int((~outside).sum())} marked characters are in assistant messages): they would be trained. "
                       f"Markers must enclose only what the assistant writes (its content and end-of-turn token); "
                       f"fix the template, or remove its markers to find assistant turns by rendering")
 

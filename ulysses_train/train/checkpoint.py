@@ -261,8 +261,8 @@ class _RecordedWrites:
     scripts; its `latest` file is not asked for) record their first error instead of raising it, and write nothing
     after it. DeepSpeed's save has collectives after its writes (a barrier): a rank whose write raised would skip
     them, and meet the others in our agreement instead, a mismatch that hangs. So every rank runs DeepSpeed's save
-    to its end, then raises what was recorded. The checkpoint engine is DeepSpeed's pluggable writer; without one this fails loudly, naming the
-    DeepSpeed version."""
+    to its end, then raises what was recorded. The checkpoint engine is DeepSpeed's pluggable writer; without one
+    this fails loudly, naming the DeepSpeed version."""
 
     def __init__(self, engine):
         self.error: Optional[BaseException] = None

@@ -359,7 +359,7 @@ def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
     if path is None:
         return []
     actions = {o.lstrip("-"): a for a in parser._actions for o in a.option_strings}
-    words = []
+    words, given = [], {}
     for key, value in _read_config_file(path).items():
         name = str(key).replace("-", "_")
         if name in ("config", "help", "h", "local_rank"):  # help: true used to print the usage and exit 0
@@ -370,6 +370,10 @@ def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
                                               n=1)
             raise ConfigError(f"--config {path}: unknown flag {key!r}" + (f" (did you mean {close[0]!r}?)" if close
                                                                          else ""))
+        dest = actions[name].dest  # seq-len and seq_len, steps and max_steps: one flag
+        if dest in given:
+            raise ConfigError(f"--config {path}: {given[dest]!r} and {key!r} set the same flag; keep one")
+        given[dest] = key
         if value is None:
             continue
         if isinstance(value, (list, tuple)):
@@ -425,7 +429,7 @@ def _check_config_value(path: str, key, text: str, action: argparse.Action) -> N
     """A value of the file as the flag's parser takes it: a ConfigError naming the file and the key if not."""
     try:
         value = action.type(text) if action.type else text
-    except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
         kind = "true/false" if action.type is _str2bool else getattr(action.type, "__name__", "value")
         raise ConfigError(f"--config {path}: {key}: {text!r} is not a valid {kind}") from None
     if action.choices and value not in action.choices:
