@@ -87,7 +87,7 @@ def test_verify_on_packed_chat_data(chat_files):
     out = run(deepspeed_launcher(2), _args(chat_files) + ["--verify", "--verify_seq_len", "128", "--packing"],
               out_dir)
     assert "verdict: PASS" in out.stdout
-    result = json.loads((out_dir / "verify.json").read_text())
+    result = json.loads((out_dir / "verify" / "verify.json").read_text())
     batch, = _step_batches(_samples(chat_files, 128, packing=True), 1, packing=True)
     assert result["targets"] == trainable_tokens(batch) < 128 / 3  # the assistant labels reached the reference
     assert result["ours"]["loss"] < 1e-5 and result["ours"]["grad_max"] < 1e-5

@@ -80,11 +80,16 @@ def test_verify_fails_on_a_fault_and_names_it(tmp_path, fault, failed):
 
 
 def test_verify_command_line(tmp_path):
+    """Into a training run's folder: its report and settings go to verify/ (it rewrote the run's config.yaml with
+    verify: true)."""
+    (tmp_path / "config.yaml").write_text("seq_len: 256\n")  # the training run's
     out = run(deepspeed_launcher(2), ["--verify", "--verify_seq_len", "128"], tmp_path)
     assert "verdict: PASS" in out.stdout and "per-tensor grad, max" in out.stdout
-    with open(tmp_path / "verify.json") as f:
+    with open(tmp_path / "verify" / "verify.json") as f:
         assert json.load(f)["passed"] is True
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
+    assert (tmp_path / "config.yaml").read_text() == "seq_len: 256\n"
+    assert "verify: true" in (tmp_path / "verify" / "config.yaml").read_text()
 
 
 def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():

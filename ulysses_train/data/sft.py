@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError
-from .chat import assistant_mask, completion_mask, encode, load_chat_template, rendered_ids
+from .chat import TemplateFailure, assistant_mask, completion_mask, encode, load_chat_template, rendered_ids
 from .corpus import dataset_columns, unreadable_dataset_is_a_config_error
 from .packing import ConversationSamples
 from .token_store import build_token_store, cache_settings, store_key
@@ -34,7 +34,7 @@ from .token_store import build_token_store, cache_settings, store_key
 DATA_FORMATS = ("auto", "messages", "prompt_completion", "tokens", "text")
 LOSS_ON = ("auto", "assistant", "completion", "all")
 TRUNCATION = ("error", "left", "right")
-SFT_FORMAT = 2  # bump when rendering, masking or checking rules change what is stored
+SFT_FORMAT = 3  # bump when rendering, masking or checking rules change what is stored
 _NEEDS = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "tokens": ["input_ids"]}
 _LOSS_ON = {"messages": ("assistant", "all"), "prompt_completion": ("completion", "assistant", "all"),
             "text": ("all",)}
@@ -87,13 +87,11 @@ class RowEncoder:
     truncated, or fail the embedding only when its row is drawn)."""
 
     def __init__(self, fmt: str, tokenizer, template: Optional[str], loss_on: str, vocab_size: Optional[int] = None,
-                 dataset: Optional[str] = None):
+                 dataset: Optional[str] = None, template_name: str = "the chat template"):
         self.fmt, self.tokenizer, self.template, self.loss_on = fmt, tokenizer, template, loss_on
-        self.vocab_size, self.dataset = vocab_size, dataset
+        self.vocab_size, self.dataset, self.template_name = vocab_size, dataset, template_name
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
-        from jinja2 import TemplateError
-
         out = {"input_ids": [], "trained": []}
         for j, index in enumerate(indices):
             row = {k: v[j] for k, v in batch.items()}
@@ -101,9 +99,9 @@ class RowEncoder:
                 ids, trained = getattr(self, f"_{self.fmt}")(row)
             except ConfigError as e:
                 raise ConfigError(f"{self._where(index)}: {e}") from None
-            except TemplateError as e:  # the template's own checks (raise_exception) and undefined values
-                raise ConfigError(f"{self._where(index)}: the chat template (--chat_template) fails on it: "
-                                  f"{type(e).__name__}: {e}") from None
+            except TemplateFailure as e:  # it raised (its own checks, 1/0, include, the sandbox) or never ended
+                raise ConfigError(f"{self._where(index)}: {self.template_name} {e}; fix the row, or the "
+                                  f"template (--chat_template)") from None
             out["input_ids"].append(np.asarray(ids, dtype=np.int64))
             out["trained"].append(np.asarray(trained, dtype=np.int8))  # 1 byte per token in datasets' cache
         return out
@@ -186,9 +184,42 @@ def _integer(k: int, value) -> int:
 
 
 def _messages(value, column: str) -> list:
+    """A row's messages as the template gets them: Arrow's filler None values dropped, content checked and
+    list-of-parts content flattened (_content)."""
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) and "role" in m for m in value):
         raise ConfigError(f"`{column}` must be a non-empty list of {{role, content}} objects, got {str(value)[:80]!r}")
-    return [{k: v for k, v in m.items() if v is not None} for m in value]  # Arrow fills absent keys with None
+    messages = []
+    for i, m in enumerate(value):
+        message = {k: v for k, v in m.items() if v is not None}  # Arrow fills absent keys with None
+        if not isinstance(message.get("role"), str):
+            raise ConfigError(f"`{column}`[{i}].role is {message.get('role')!r}, not a string")
+        if "content" in message:
+            message["content"] = _content(message["content"], f"`{column}`[{i}].content")
+        messages.append(message)
+    return messages
+
+
+def _content(value, where: str) -> str:
+    """A message's content as text. A list of parts (`[{"type": "text", "text": ...}]`, the multimodal form) has
+    its text parts joined in order, as a processor's template writes them one after another: a template that prints
+    `{{ content }}` would otherwise render the list's Python repr, and train it. Any other part (an image), or
+    content that is neither, is refused: it cannot be rendered as text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for k, part in enumerate(value):
+            part = {key: v for key, v in part.items() if v is not None} if isinstance(part, dict) else part
+            if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"),
+                                                                                                    str):
+                kind = (repr(part)[:60] if not isinstance(part, dict) else f"a part of type {part.get('type')!r}"
+                        if part.get("type", "text") != "text" else f"a text part whose text is {part.get('text')!r}")
+                raise ConfigError(f"{where}[{k}] is {kind}: content parts must be text ({{\"type\": \"text\", "
+                                  f"\"text\": ...}}); this trainer renders text only")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ConfigError(f"{where} is {repr(value)[:60]} ({type(value).__name__}): content must be text, a string or "
+                      f"a list of {{\"type\": \"text\", \"text\": ...}} parts")
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -222,7 +253,9 @@ def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, spli
         kwargs = {"batched": True, "with_indices": True, "remove_columns": columns}
         if not getattr(corpus, "_ex_iterable", None):  # map-style: multiprocess, progress bar, disk cache
             kwargs.update(num_proc=num_proc, desc="rendering conversations" if template else "tokenizing")
-        tokenized = corpus.map(RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset), **kwargs)
+        name = f"--chat_template {chat_template}" if chat_template else "the tokenizer's chat template"
+        encoder = RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset, name)
+        tokenized = corpus.map(encoder, **kwargs)
         fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
         extra = {"sft_format": SFT_FORMAT, "data_format": fmt, "chat_template": template, "loss_on": loss}
         settings = cache_settings(fingerprint, tokenizer, dataset, split, fmt, max_tokens, extra)

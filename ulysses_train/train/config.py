@@ -398,12 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def write_resolved_config(cfg: TrainConfig) -> str:
-    """Every setting of the run, defaults included, as a file `--config` reads back: `<output_dir>/config.yaml`
-    (checkpoints hold the same in trainer_state.json)."""
+def write_resolved_config(cfg: TrainConfig, folder: Optional[str] = None) -> str:
+    """Every setting of the run, defaults included, as a file `--config` reads back: `<folder>/config.yaml`, by
+    default `<output_dir>/config.yaml` (checkpoints hold the same in trainer_state.json)."""
     import yaml
 
-    path = os.path.join(cfg.output_dir, "config.yaml")
+    folder = folder or cfg.output_dir
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.yaml")
     values = {k: v for k, v in cfg.to_dict().items() if k not in ("config", "resume", "overwrite_output_dir")}
     with open(path, "w") as f:
         yaml.safe_dump(values, f, sort_keys=False)
@@ -412,43 +414,103 @@ def write_resolved_config(cfg: TrainConfig) -> str:
 
 def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """The flags of `--config FILE` as command-line words, to go before the typed ones (so these win): every value
-    passes the same parsing and checks as a typed flag, and counts as given explicitly."""
+    passes the same parsing and checks as a typed flag, and counts as given explicitly. The file is read as strictly
+    as the DeepSpeed JSON: a key given twice, an alias (`*name`: a few hundred bytes of them expand to gigabytes),
+    a nested value, a key that is no flag (or `help`, `config`), or a value a flag does not take is a ConfigError
+    naming the file and the key."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     path = pre.parse_known_args(argv)[0].config
     if path is None:
         return []
-    import yaml
-
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-    except OSError as e:
-        parser.error(f"--config {path}: {e.strerror}")
-    except yaml.YAMLError as e:
-        parser.error(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}")
-    if not isinstance(values, dict):
-        parser.error(f"--config {path} must hold a mapping of flag names to values")
-    known = {o.lstrip("-") for a in parser._actions for o in a.option_strings}
-    words = []
-    for key, value in values.items():
+    actions = {o.lstrip("-"): a for a in parser._actions for o in a.option_strings}
+    words, given = [], {}
+    for key, value in _read_config_file(path).items():
         name = str(key).replace("-", "_")
-        if name not in known or name == "config":
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            parser.error(f"--config {path}: unknown flag {key!r}" + (f" (did you mean {close[0]!r}?)" if close
-                                                                    else ""))
+        if name in ("config", "help", "h", "local_rank"):  # help: true used to print the usage and exit 0
+            raise ConfigError(f"--config {path}: {key!r} cannot be set in a config file (it holds training "
+                              f"settings; python launch/train.py --help prints them)")
+        if name not in actions:
+            close = difflib.get_close_matches(name, sorted(n for n in actions if n not in ("help", "h", "config")),
+                                              n=1)
+            raise ConfigError(f"--config {path}: unknown flag {key!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                                                         else ""))
+        dest = actions[name].dest  # seq-len and seq_len, steps and max_steps: one flag
+        if dest in given:
+            raise ConfigError(f"--config {path}: {given[dest]!r} and {key!r} set the same flag; keep one")
+        given[dest] = key
         if value is None:
             continue
         if isinstance(value, (list, tuple)):
             value = ",".join(str(v) for v in value)
-        words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        _check_config_value(path, key, text, actions[name])
+        words.append(f"--{name}={text}")  # one word: a value starting with - is not taken for a flag
     return words
+
+
+def _read_config_file(path: str) -> dict:
+    """The mapping of a --config YAML file, refusing what safe_load lets through (config_file_args)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError(f"--config {path}: line {event.start_mark.line + 1}: the alias *{event.anchor} is "
+                                  f"not allowed (write the value out)")
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise ConfigError(f"--config {path}: the key {key!r} appears twice (lines {seen[key]} and "
+                                      f"{key_node.start_mark.line + 1}); keep one")
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.load(f, Loader=StrictLoader)  # noqa: S506 - a SafeLoader, stricter
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
+    for key, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        if isinstance(value, dict) or any(isinstance(v, (list, dict)) for v in items):
+            raise ConfigError(f"--config {path}: {key}: give a value or a list of values, not a nested "
+                              f"{'mapping' if isinstance(value, dict) else 'list'}")
+    return values
+
+
+def _check_config_value(path: str, key, text: str, action: argparse.Action) -> None:
+    """A value of the file as the flag's parser takes it: a ConfigError naming the file and the key if not."""
+    try:
+        value = action.type(text) if action.type else text
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        kind = "true/false" if action.type is _str2bool else getattr(action.type, "__name__", "value")
+        raise ConfigError(f"--config {path}: {key}: {text!r} is not a valid {kind}") from None
+    if action.choices and value not in action.choices:
+        raise ConfigError(f"--config {path}: {key}: {text!r} is not one of {', '.join(map(str, action.choices))}")
+
+
+def _refuse(message: str):
+    """argparse's error(): a ConfigError (the CLI prints it once, from rank 0) instead of usage on every rank."""
+    raise ConfigError(f"{message} (python launch/train.py --help lists the flags)")
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, set[str]]:
     """Returns the config and the set of flags the user typed explicitly, or set in --config (which must then agree
     with the DS JSON)."""
     parser = build_parser()
+    parser.error = _refuse  # a mistyped flag or value: one message, printed by the CLI
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = config_file_args(parser, argv) + argv
     ns = parser.parse_args(argv)

@@ -7,7 +7,7 @@ import json
 import os
 import resource
 import sys
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -59,10 +59,13 @@ def _pairs(record: dict) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers: Sequence[str] = (),
-                 log_every: int = 1, start_step: int = 0, config: Optional[dict] = None):
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers=None, log_every: int = 1,
+                 start_step: int = 0):
+        """`trackers`: the run's started tracking.Trackers (or None); the logger sends them every record and closes
+        them with itself."""
         self.enabled, self.log_every = enabled, log_every
-        self.bar = self.file = self.trackers = None
+        self.bar = self.file = None
+        self.trackers = trackers
         if not enabled:
             return
         from tqdm.auto import tqdm
@@ -75,10 +78,6 @@ class MetricsLogger:
                 f.writelines(kept)
         self.file = open(path, "a" if start_step else "w")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        if trackers:
-            from .tracking import Trackers
-
-            self.trackers = Trackers(list(trackers), output_dir, config or {}, resuming=start_step > 0)
 
     def __enter__(self) -> "MetricsLogger":
         return self
