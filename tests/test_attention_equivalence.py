@@ -40,7 +40,7 @@ def _seed(sp, hq, hkv):
 def _run_cases(rank, world, cases):
     """Every case in one world of max(sp) processes: for each sp the ranks form world/sp groups of consecutive
     ranks, and every group runs each case of that sp on the same inputs (so a group's own ranks, not the world's,
-    must place each shard). Returns {case: (rank in its group, group index, that rank's result)}."""
+    must place each shard). Returns this rank and {case: (rank in its group, group index, that rank's result)}."""
     import torch.distributed as dist
 
     results = {}
@@ -50,7 +50,7 @@ def _run_cases(rank, world, cases):
             _, hq, hkv = case
             result = _run_case(groups[rank // sp], rank % sp, sp, _seed(*case), hq, hkv, _oracle(*case))
             results[case] = (rank % sp, rank // sp, result)
-    return results
+    return rank, results
 
 
 def _run_case(group, rank, world, seed, hq, hkv, with_deepspeed_oracle):
@@ -98,8 +98,9 @@ def sharded():
     """All cases in one launch: max(sp) processes (DeepSpeed's comm initialised, for its oracle)."""
     world = max(sp for sp, _, _ in CASES)
     by_rank = run_distributed(_run_cases, world, CASES, use_deepspeed=True)
+    assert [rank for rank, _ in by_rank] == list(range(world))  # the harness returns results in rank order
     results = {}  # case -> one list of SP-rank results per group, in SP-rank order
-    for rank_results in by_rank:
+    for _, rank_results in by_rank:
         for case, (sp_rank, group, result) in rank_results.items():
             results.setdefault(case, {}).setdefault(group, {})[sp_rank] = result
     return {case: [[ranks[r] for r in sorted(ranks)] for _, ranks in sorted(groups.items())]
