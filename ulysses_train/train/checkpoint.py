@@ -240,8 +240,8 @@ def _attempt(action: Callable[[], None], rank: int, only_rank0: bool = False, ro
         return None
     try:
         action()
-    except OSError as e:  # full disk, permissions: reported by every rank together
-        return f"rank {rank}: {e}{full_disk_note(root, need) if e.errno != errno.ENOSPC else ''}"
+    except OSError as e:  # full disk, permissions (its errno says which): reported by every rank together
+        return f"rank {rank}: {e}"
     except Exception as e:  # noqa: BLE001 - torch's "[enforce fail at inline_container.cc] unexpected pos", ...
         first = (str(e).strip().splitlines() or [""])[0]
         return f"rank {rank}: {type(e).__name__}: {first}{full_disk_note(root, need)}"

@@ -44,12 +44,13 @@ def report_once(message: str, rank: int, world: int, stream=None) -> None:
     if world <= 1:
         print(message, file=stream, flush=True)
         return
-    store = _store(rank)
     if rank == 0:
-        print(message, file=stream, flush=True)
+        print(message, file=stream, flush=True)  # first: reaching the store can take its timeout
+        store = _store(rank)
         if store is not None:
             _tell_and_wait(store, world)
         return
+    store = _store(rank)
     if store is not None:
         try:
             store.wait([_key("printed")], timedelta(seconds=WAIT_S))

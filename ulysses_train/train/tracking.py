@@ -64,7 +64,7 @@ class Trackers:
         ids = self._saved_ids() if resuming else {}
         self.tb = self.wandb_run = self.mlflow = None
         if "tensorboard" in names:
-            self.tb = self._start("tensorboard", lambda: self._start_tensorboard())
+            self.tb = self._start("tensorboard", self._start_tensorboard)
         if "wandb" in names:
             ids["wandb"] = self._start("wandb", lambda: self._start_wandb(config, ids.get("wandb")))
         if "mlflow" in names:
@@ -92,8 +92,9 @@ class Trackers:
             uri = os.environ.get("MLFLOW_TRACKING_URI")
             return f"MLFLOW_TRACKING_URI={uri}" if uri else os.path.join(self.output_dir, "mlruns")
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        return f"wandb ({mode}" + (f", WANDB_BASE_URL={os.environ['WANDB_BASE_URL']})" if "WANDB_BASE_URL" in
-                                   os.environ else f", {os.path.join(self.output_dir, 'wandb')})")
+        where = os.environ.get("WANDB_BASE_URL", "its server") if mode == "online" else \
+            os.path.join(self.output_dir, "wandb")
+        return f"{where} (WANDB_MODE {mode})"
 
     def _start_tensorboard(self):
         from torch.utils.tensorboard import SummaryWriter
@@ -153,7 +154,7 @@ class Trackers:
 
 def _root_cause(error: BaseException) -> str:
     """The error and, when it wraps others (MLflow wraps requests' wrapping of urllib3's), the one at the bottom:
-    `MlflowException: ... (ConnectionRefusedError: [Errno 111] Connection refused)`."""
+    `MlflowException: ... ... caused by ConnectionRefusedError: [Errno 111] Connection refused`."""
     def line(e):
         return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 
