@@ -29,12 +29,34 @@ def _inputs(seed, hq, hkv):
     return q, k, v, grad_out
 
 
-def _run_case(rank, world, seed, hq, hkv, with_deepspeed_oracle):
+def _oracle(sp, hq, hkv):
+    return sp == 2 and (hq, hkv) == (8, 4)
+
+
+def _seed(sp, hq, hkv):
+    return 1000 * sp + 10 * hq + hkv  # fresh inputs for every case
+
+
+def _run_cases(rank, world, cases):
+    """Every case in one world of max(sp) processes: for each sp the ranks form world/sp groups of consecutive
+    ranks, and every group runs each case of that sp on the same inputs (so a group's own ranks, not the world's,
+    must place each shard). Returns this rank and {case: (rank in its group, group index, that rank's result)}."""
     import torch.distributed as dist
 
+    results = {}
+    for sp in sorted({case[0] for case in cases}):
+        groups = [dist.new_group(list(range(first, first + sp))) for first in range(0, world, sp)]  # collective
+        for case in (c for c in cases if c[0] == sp):
+            _, hq, hkv = case
+            result = _run_case(groups[rank // sp], rank % sp, sp, _seed(*case), hq, hkv, _oracle(*case))
+            results[case] = (rank % sp, rank // sp, result)
+    return rank, results
+
+
+def _run_case(group, rank, world, seed, hq, hkv, with_deepspeed_oracle):
+    """One SP rank (`rank` of `world` in `group`) of a sharded attention forward and backward."""
     from ulysses_train.sp.attention import UlyssesAttention
 
-    group = dist.new_group(list(range(world)))
     q, k, v, grad_out = _inputs(seed, hq, hkv)
     local = S // world
     cut = slice(rank * local, (rank + 1) * local)
@@ -71,26 +93,40 @@ def dist_rank(group):
     return dist.get_rank(group)
 
 
-@pytest.mark.parametrize("sp,hq,hkv", CASES)
-def test_ulysses_attention_matches_single_process(sp, hq, hkv):
-    seed = 1000 * sp + 10 * hq + hkv  # fresh inputs for every case
-    oracle = sp == 2 and (hq, hkv) == (8, 4)
-    results = run_distributed(_run_case, sp, seed, hq, hkv, oracle, use_deepspeed=oracle)
+@pytest.fixture(scope="module")
+def sharded():
+    """All cases in one launch: max(sp) processes (DeepSpeed's comm initialised, for its oracle)."""
+    world = max(sp for sp, _, _ in CASES)
+    by_rank = run_distributed(_run_cases, world, CASES, use_deepspeed=True)
+    assert [rank for rank, _ in by_rank] == list(range(world))  # the harness returns results in rank order
+    results = {}  # case -> one list of SP-rank results per group, in SP-rank order
+    for _, rank_results in by_rank:
+        for case, (sp_rank, group, result) in rank_results.items():
+            results.setdefault(case, {}).setdefault(group, {})[sp_rank] = result
+    return {case: [[ranks[r] for r in sorted(ranks)] for _, ranks in sorted(groups.items())]
+            for case, groups in results.items()}
 
-    q, k, v, grad_out = _inputs(seed, hq, hkv)
+
+@pytest.mark.parametrize("sp,hq,hkv", CASES)
+def test_ulysses_attention_matches_single_process(sp, hq, hkv, sharded):
+    oracle = _oracle(sp, hq, hkv)
+    q, k, v, grad_out = _inputs(_seed(sp, hq, hkv), hq, hkv)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     ref = reference(q, k, v)
     ref.backward(grad_out)
-    got = {name: torch.cat([r[name] for r in results], dim=dim)
-           for name, dim in (("out", 1), ("dq", 2), ("dk", 2), ("dv", 2))}
+    groups = sharded[(sp, hq, hkv)]
+    assert len(groups) == max(s for s, _, _ in CASES) // sp and all(len(results) == sp for results in groups)
     tol = dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got["out"], ref.detach(), **tol)
-    torch.testing.assert_close(got["dq"], q.grad, **tol)
-    torch.testing.assert_close(got["dk"], k.grad, **tol)
-    torch.testing.assert_close(got["dv"], v.grad, **tol)
-    if oracle:
-        deepspeed_out = torch.cat([r["deepspeed_out"] for r in results], dim=1)  # (b, s, h*d)
-        torch.testing.assert_close(deepspeed_out.reshape(ref.shape), ref.detach(), **tol)
+    for results in groups:  # every group of sp ranks, on the same inputs
+        got = {name: torch.cat([r[name] for r in results], dim=dim)
+               for name, dim in (("out", 1), ("dq", 2), ("dk", 2), ("dv", 2))}
+        torch.testing.assert_close(got["out"], ref.detach(), **tol)
+        torch.testing.assert_close(got["dq"], q.grad, **tol)
+        torch.testing.assert_close(got["dk"], k.grad, **tol)
+        torch.testing.assert_close(got["dv"], v.grad, **tol)
+        if oracle:
+            deepspeed_out = torch.cat([r["deepspeed_out"] for r in results], dim=1)  # (b, s, h*d)
+            torch.testing.assert_close(deepspeed_out.reshape(ref.shape), ref.detach(), **tol)
 
 
 def test_all_to_all_is_identity_without_group():

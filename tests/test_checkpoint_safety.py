@@ -126,6 +126,87 @@ def test_auto_ignores_a_stale_latest_and_abandoned_checkpoints(tmp_path):
     assert checkpoint.resolve_resume("auto", out, print).endswith("step_00000003")
 
 
+def _rewrite_state(folder, **changes):
+    """Edits trainer_state.json and rewrites the manifest, as a hand edit that also regenerated it would."""
+    path = os.path.join(folder, "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    with open(path, "w") as f:
+        json.dump(state | changes, f)
+    manifest.write_manifest(folder)
+
+
+def test_checkpoints_are_what_their_names_say(tmp_path):
+    """`cp -r step_3 step_99` made the copy the newest for ever (every --resume auto restarted at step 3 and
+    overwrote step 4 and 5); a symlinked step_N pointing outside --output_dir was loaded; a hand-edited "step": -3
+    trained steps -2..5. The step is the one trainer_state.json holds: checkpoints are ordered by it, and a folder
+    whose name says otherwise, or a link, is left out and named."""
+    import shutil
+
+    out = str(tmp_path / "run")
+    fake_checkpoint(out, 3)
+    real = fake_checkpoint(out, 4)
+    root = os.path.join(out, "checkpoints")
+    shutil.copytree(os.path.join(root, "step_00000003"), os.path.join(root, "step_00000099"))  # an intact copy
+    elsewhere = fake_checkpoint(str(tmp_path / "other"), 7)
+    os.symlink(elsewhere, os.path.join(root, "step_00000007"))
+    negative = fake_checkpoint(str(tmp_path / "neg"), 8)
+    _rewrite_state(negative, step=-3)
+    shutil.move(negative, os.path.join(root, "step_00000008"))
+    warnings = []
+    assert checkpoint.resolve_resume("auto", out, warnings.append) == real
+    assert sorted(warnings) == sorted([
+        f"{root}/step_00000007 is left out: a symbolic link to {elsewhere}, not a checkpoint folder of this run",
+        f"{root}/step_00000008 is left out: its trainer_state.json says step -3, not a step of a run (a whole number "
+        f">= 0)",
+        f"{root}/step_00000099 is left out: its trainer_state.json holds step 3, not the step its name says (a copy "
+        f"or a renamed folder?)"])
+    assert checkpoint.complete_checkpoints(out) == [os.path.join(root, "step_00000003"), real]
+    assert checkpoint.prune_checkpoints(out, keep=1, saved_step=4) == [os.path.join(root, "step_00000003")]
+    assert os.path.isdir(os.path.join(root, "step_00000099"))  # not this run's to delete either
+    with pytest.raises(ConfigError, match=rf"--resume {root}/step_00000007 is a symbolic link \(to {elsewhere}\)"):
+        checkpoint.resolve_resume(os.path.join(root, "step_00000007"), out, print)
+    with pytest.raises(CheckpointError, match=r"step_00000008: its trainer_state.json says step -3"):
+        checkpoint.resolve_resume(os.path.join(root, "step_00000008"), out, print)
+    with pytest.raises(CheckpointError, match=r"step_00000099: its trainer_state.json holds step 3, not the step"):
+        checkpoint.resolve_resume(os.path.join(root, "step_00000099"), out, print)
+
+
+def test_a_checkpoint_under_another_name_resumes_and_rolls_back_by_its_step(tmp_path):
+    """--resume best/ (a copy under another name) crashed after the model was built (int('best') in the
+    rollback); its step is trainer_state.json's, checked before the model is built."""
+    import shutil
+
+    out = str(tmp_path)
+    fake_checkpoint(out, 2)
+    fake_checkpoint(out, 4, config=TrainConfig(steps=6).to_dict())
+    fake_checkpoint(out, 6)
+    best = os.path.join(out, "best")
+    shutil.copytree(os.path.join(out, "checkpoints", "step_00000004"), best)
+    cfg, _ = parse_args(["--output_dir", out, "--resume", best, "--steps", "6"])
+    plan = resume._decide(cfg, resume.training_settings(cfg, {}), 1, 2, True, print, print)
+    assert (plan.checkpoint, plan.step) == (best, 4)
+    aside = run_folder.abandon_newer(out, best, log=print)
+    assert aside.endswith("rollback_to_step_00000004") and sorted(os.listdir(aside)) == ["step_00000006"]
+    assert listing_names(out) == ["step_00000002", "step_00000004"]
+
+
+def test_manifest_paths_stay_inside_the_checkpoint(tmp_path):
+    """MANIFEST.json entries such as ../../../../etc/hostname were read and hashed."""
+    folder = fake_checkpoint(str(tmp_path / "run"), 4)
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"not the checkpoint's")
+    entry = {"size": outside.stat().st_size, "blake2b": manifest.file_digest(str(outside))}
+    path = os.path.join(folder, manifest.MANIFEST)
+    original = json.load(open(path))
+    for name in ("../../../secret", str(outside)):
+        json.dump(original | {"files": original["files"] | {name: entry}}, open(path, "w"))
+        assert manifest.damage(folder) == f"MANIFEST.json names {name!r}, a path outside the checkpoint folder"
+    os.symlink(str(outside), os.path.join(folder, "ds", "linked.pt"))  # a file of the folder that leads out
+    json.dump(original | {"files": original["files"] | {"ds/linked.pt": entry}}, open(path, "w"))
+    assert manifest.damage(folder) == f"ds/linked.pt is a link to {outside}, outside the checkpoint folder"
+
+
 # ---------------------------------------------------------------- pruning
 
 
@@ -256,6 +337,34 @@ def test_every_setting_the_issue_names_needs_an_override_and_overrides_are_check
         parse_args(["--resume", "auto", "--overwrite_output_dir"])[0].validate()
 
 
+def test_a_model_config_edited_in_place_is_a_changed_setting(tmp_path):
+    """--model_config was compared by its path: a file edited in place (another depth, other heads) resumed the
+    checkpoint into another model without a word. It is compared by its content, as --ds_config is."""
+    from ulysses_train.model.build import PRESETS, model_config_values
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(PRESETS["tiny"]))
+
+    def settings(argv):
+        cfg, _ = parse_args(argv)
+        return cfg, resume.training_settings(cfg, {"model_config": model_config_values(cfg.model_config)})
+
+    _, saved = settings(["--model_config", str(path)])
+    state = {"step": 3, "config": parse_args(["--model_config", str(path)])[0].to_dict(), "settings": saved}
+    path.write_text(json.dumps(PRESETS["tiny"] | {"num_hidden_layers": 3}))
+    cfg, now = settings(["--model_config", str(path), "--resume", "auto"])
+    with pytest.raises(ConfigError, match=rf"was trained with other settings: model_config {path} \(its content "
+                                          rf"differs from the checkpoint's: edited since\?\)"):
+        resume.compare_settings(state, cfg, now, "ckpt")
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(PRESETS["tiny"]))  # the same content elsewhere: no change
+    cfg, now = settings(["--model_config", str(moved), "--resume", "auto"])
+    assert resume.compare_settings(state, cfg, now, "ckpt")[0] == {}
+    old = state | {"settings": saved | {"model_config": str(path)}}  # saved when it held the path
+    cfg, now = settings(["--model_config", str(path), "--resume", "auto"])
+    assert resume.compare_settings(old, cfg, now, "ckpt")[0] == {}
+
+
 def test_the_plan_says_nothing_to_do_and_refuses_schedule_overrides_under_a_ds_config_scheduler(tmp_path):
     out = str(tmp_path)
     path = fake_checkpoint(out, 2, config=TrainConfig(steps=2).to_dict())  # saved before resolved settings were
@@ -344,3 +453,106 @@ def test_an_unwritable_save_fails_on_every_rank_naming_the_untouched_checkpoint(
         assert "saving checkpoint step_00000002 failed" in message
         assert f"the previous checkpoint {previous} is untouched" in message
     assert listing_names(str(tmp_path)) == ["step_00000001"]
+
+
+# ---------------------------------------------------------------- a real full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MiB tmpfs mounted here for the test (root with CAP_SYS_ADMIN); skipped, saying why, elsewhere."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_run_stops_at_the_save_that_does_not_fit_naming_the_previous_checkpoint(small_disk):
+    """The issue's command: 8 steps saving every step onto 20 MiB, about three checkpoints of the tiny model. The
+    save that cannot fit is refused (exit 3) naming the checkpoint before it, after a warning one save earlier; no
+    temporary folder is left to keep the disk full."""
+    import sys
+
+    from tests.trainer_runs import ROOT, TRAIN, child_env
+
+    out = small_disk / "run"
+    proc = subprocess.run([sys.executable, TRAIN, "--output_dir", str(out), "--steps", "8", "--save_steps", "1",
+                           "--seq_len", "64"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-3000:]
+    saved = listing_names(str(out))
+    last, refused = saved[-1], f"step_{int(saved[-1][5:]) + 1:08d}"
+    assert len(saved) >= 2 and sorted(os.listdir(out / "checkpoints")) == ["latest"] + saved  # no .tmp-step_N
+    assert f"warning: the next save will fail: No space left on device for it: the file system of " \
+           f"{out / 'checkpoints'} has" in proc.stderr
+    assert f"error: saving checkpoint {refused} failed (rank 0: [Errno 28] No space left on device for it" in \
+        proc.stderr and f"the previous checkpoint {out / 'checkpoints' / last} is untouched" in proc.stderr
+    assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text().strip() == last
+
+
+def _fill(folder, leave: int) -> None:
+    """Fills the file system of `folder` up to `leave` free bytes."""
+    import shutil
+
+    free = shutil.disk_usage(folder).free
+    with open(os.path.join(folder, "filler"), "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+
+
+def _save_onto_a_full_disk(rank, world, out):
+    """Saves step 1; fills the disk to half a checkpoint; saves step 2 (refused before writing), then again with the
+    free-space check off (fails writing, in torch's zip writer or an OSError): what each rank raised, and what
+    checkpoints/ held after each."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+    from ulysses_train.train import disk_space
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
+          "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=ds)
+    state = {"step": 1, "dp_size": world, "sp_size": 1, "config": {}}
+    first = checkpoint.save_checkpoint(engine, out, 1, state, model.config, None, rank)
+    root = os.path.join(out, "checkpoints")
+    if rank == 0:
+        os.makedirs(os.path.join(root, ".tmp-step_00000009"))  # left by a save that was killed: dead weight
+        with open(os.path.join(root, ".tmp-step_00000009", "shard.pt"), "wb") as f:
+            f.write(b"\0" * (64 << 10))
+        _fill(out, disk_space.checkpoint_bytes(first) // 3)
+    outcomes = []
+    for check in (True, False):
+        torch.distributed.barrier()
+        if not check:
+            checkpoint.too_little_space = lambda *args: None
+        try:
+            checkpoint.save_checkpoint(engine, out, 2, dict(state, step=2), model.config, None, rank)
+            outcomes.append(("saved", sorted(os.listdir(root))))
+        except CheckpointError as e:
+            torch.distributed.barrier()
+            outcomes.append((str(e), sorted(os.listdir(root))))
+    return outcomes
+
+
+def test_a_save_onto_a_full_disk_is_refused_or_fails_naming_the_previous_checkpoint(small_disk):
+    """A real full file system: the save failed in torch's zip writer (`RuntimeError: [enforce fail at
+    inline_container.cc] . unexpected pos`, not an OSError), so no "no space left", no previous checkpoint named,
+    and .tmp-step_N left behind, keeping the disk full. A save that cannot fit is now refused before it writes;
+    one that fails while writing is the promised message on every rank; the temporary folders go."""
+    results = run_distributed(_save_onto_a_full_disk, 2, str(small_disk))
+    previous = os.path.join(str(small_disk), "checkpoints", "step_00000001")
+    for (refused, after_refusal), (failed, after_failure) in results:
+        assert refused.startswith("saving checkpoint step_00000002 failed (rank 0: [Errno 28] No space left on device "
+                                  "for it: the file system of "), refused
+        assert f"the previous checkpoint {previous} is untouched" in refused
+        assert failed.startswith("saving checkpoint step_00000002 failed (rank "), failed
+        assert "no space left on device" in failed.lower() and f"the previous checkpoint {previous} is untouched" \
+            in failed
+        assert after_refusal == after_failure == ["latest", "step_00000001"]  # no .tmp-step_N, the stale one gone
+    assert results[0] == results[1]  # every rank raised the same, none hung

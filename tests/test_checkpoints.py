@@ -1,4 +1,5 @@
-"""Checkpoints and faults, through the real launchers on CPU with SP=2 and ZeRO-3.
+"""Checkpoints and faults, through launch/train.py on CPU with SP=2 and ZeRO-3: two ranks started as plain
+processes (tests/ranks.py), and one run under the DeepSpeed launcher, which must end every rank when one fails.
 
 Resumed runs must be bit-identical to straight runs: same data position, RNG states, optimizer and scheduler
 state, and deterministic CPU arithmetic, so losses and final weights compare exactly."""
@@ -12,22 +13,25 @@ import time
 import pytest
 import torch
 
-from tests.trainer_runs import (ROOT, TRAIN, child_env, deepspeed_launcher, launch_port, metrics,
-                                torchrun_launcher)
+from tests.ranks import run_ranks
+from tests.trainer_runs import ROOT, TRAIN, child_env, deepspeed_launcher, launch_port, metrics, torchrun_launcher
 
 ARGS = ["--seq_len", "128", "--steps", "6", "--save_steps", "3", "--lr", "3e-3"]
 HANG_GUARD_S = 600
+KILLED = -signal.SIGKILL  # the exit code of a rank that ULYSSES_TRAIN_FAULT=kill... SIGKILLs (rank 0)
 
 
 def launch(out_dir, extra=(), fault=None, expect_rc=0):
-    env = child_env() | ({"ULYSSES_TRAIN_FAULT": fault} if fault else {})
-    proc = subprocess.run(deepspeed_launcher(2) + [TRAIN] + ARGS + ["--output_dir", str(out_dir)] + list(extra),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    if expect_rc == 0:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """Two ranks of launch/train.py with ARGS; every rank must exit with `expect_rc` (KILLED: rank 0 is killed and
+    rank 1 fails after it)."""
+    ranks = run_ranks(2, [TRAIN] + ARGS + ["--output_dir", out_dir] + list(extra),
+                      env={"ULYSSES_TRAIN_FAULT": fault} if fault else None)
+    if expect_rc == KILLED:  # rank 1 must fail after rank 0, not hang nor carry on
+        as_expected = ranks.codes[0] == KILLED and ranks.codes[1] != 0
     else:
-        assert proc.returncode != 0, "expected a failure"
-    return proc
+        as_expected = ranks.codes == [expect_rc] * 2
+    assert as_expected, (ranks.codes, ranks.stdout[-3000:] + ranks.stderr[-3000:])
+    return ranks
 
 
 def weights(checkpoint):
@@ -49,8 +53,10 @@ def latest(out_dir):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
+    """A run without faults, to compare with; it also saves every 2 steps keeping the newest 2 (test_save_total_limit_
+    keeps_the_newest), which changes no number."""
     out = tmp_path_factory.mktemp("straight")
-    (out / "stdout.txt").write_text(launch(out).stdout)
+    (out / "stdout.txt").write_text(launch(out, ["--save_steps", "2", "--save_total_limit", "2"]).stdout)
     return out
 
 
@@ -62,33 +68,60 @@ def assert_same_run(a, b):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_hard_kill_then_resume_is_exact(straight, tmp_path):
-    out = tmp_path / "run"
-    launch(out, fault="kill:4", expect_rc=1)  # SIGKILL at the start of step 4, after step 3 was saved
-    assert latest(out) == "step_00000003" and len(metrics(out)) == 3
-    resumed = launch(out, ["--resume", "auto"])
+def _safely(read, *args):
+    """What `read` returns, or the error it raised: the sequence goes on, and each test names what went wrong."""
+    try:
+        return read(*args)
+    except Exception as e:  # noqa: BLE001
+        return repr(e)
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory):
+    """One output folder through three crashes, each resumed by the next launch (four launches instead of a crash
+    and a resume for each):
+
+        1 kill        SIGKILL at the start of step 4, after step 3 was saved
+        2 kill_save   --resume auto (from step 3), trains 4-6, SIGKILL in the middle of saving step 6
+        3 enospc      --resume auto (from step 3), trains 4-6, saving step 6 fails as on a full disk (exit 3)
+        4 resumed     --resume auto (from step 3), trains 4-6 and saves: the same run as `straight`
+
+    Each of launches 2 to 4 resumes from the checkpoint launch 1 left; what each left is read as it ends."""
+    out = tmp_path_factory.mktemp("crashes") / "run"
+    r = {"out": out}
+    r["kill"] = launch(out, fault="kill:4", expect_rc=KILLED)
+    r["kill_latest"], r["kill_metrics"] = _safely(latest, out), _safely(metrics, out)
+    r["kill_save"] = launch(out, ["--resume", "auto"], fault="kill_in_save:6", expect_rc=KILLED)
+    r["kill_save_latest"], r["kill_save_metrics"] = _safely(latest, out), _safely(metrics, out)
+    r["kill_save_left"] = sorted(os.listdir(out / "checkpoints"))
+    r["enospc"] = launch(out, ["--resume", "auto"], fault="enospc_in_save:6", expect_rc=3)
+    r["enospc_latest"] = _safely(latest, out)
+    r["resumed"] = launch(out, ["--resume", "auto"])
+    return r
+
+
+def test_hard_kill_then_resume_is_exact(straight, crashes):
+    assert crashes["kill_latest"] == "step_00000003" and len(crashes["kill_metrics"]) == 3
+    resumed = crashes["kill_save"]  # the first resume from the killed run's step 3: steps 4-6 as the straight run
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
-    assert_same_run(straight, out)
+    assert [r["loss"] for r in crashes["kill_save_metrics"]] == [r["loss"] for r in metrics(straight)]
+    assert_same_run(straight, crashes["out"])  # and the last resume from that same checkpoint, weights too
 
 
-def test_kill_during_save_keeps_latest_on_the_previous_checkpoint(straight, tmp_path):
-    out = tmp_path / "run"
-    launch(out, fault="kill_in_save:6", expect_rc=1)
-    assert latest(out) == "step_00000003"
-    assert (out / "checkpoints" / ".tmp-step_00000006").exists() and not ckpt(out, 6).exists()
-    launch(out, ["--resume", "auto"])
+def test_kill_during_save_keeps_latest_on_the_previous_checkpoint(straight, crashes):
+    assert crashes["kill_save_latest"] == "step_00000003"
+    assert ".tmp-step_00000006" in crashes["kill_save_left"] and "step_00000006" not in crashes["kill_save_left"]
+    out = crashes["out"]
     assert latest(out) == "step_00000006" and not (out / "checkpoints" / ".tmp-step_00000006").exists()
     assert_same_run(straight, out)
 
 
-def test_full_disk_is_reported_and_previous_checkpoint_stays_usable(straight, tmp_path):
-    out = tmp_path / "run"
-    proc = launch(out, fault="enospc_in_save:6", expect_rc=3)
-    text = proc.stdout + proc.stderr
+def test_full_disk_is_reported_and_previous_checkpoint_stays_usable(straight, crashes):
+    text = crashes["enospc"].stdout + crashes["enospc"].stderr
     assert "saving checkpoint step_00000006 failed" in text and "No space left on device" in text
-    assert "step_00000003 is untouched" in text and latest(out) == "step_00000003"
-    launch(out, ["--resume", "auto"])
-    assert_same_run(straight, out)
+    assert "step_00000003 is untouched" in text and crashes["enospc_latest"] == "step_00000003"
+    assert "resumed from" in crashes["resumed"].stdout and "at step 3" in crashes["resumed"].stdout
+    assert_same_run(straight, crashes["out"])
 
 
 def test_shared_master_weights_train_exactly_as_a_separate_copy(straight, tmp_path):
@@ -101,13 +134,16 @@ def test_shared_master_weights_train_exactly_as_a_separate_copy(straight, tmp_pa
     assert_same_run(straight, copy)
 
 
-def test_save_total_limit_keeps_the_newest(tmp_path):
-    launch(tmp_path, ["--save_steps", "2", "--save_total_limit", "2"])
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
+def test_save_total_limit_keeps_the_newest(straight):
+    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
 
 
 def test_injected_failure_on_one_rank_ends_all_ranks(tmp_path):
-    proc = launch(tmp_path, fault="raise:2:1", expect_rc=3)
+    """Under the DeepSpeed launcher: the launch ends, naming the rank that failed."""
+    proc = subprocess.run(deepspeed_launcher(2) + [TRAIN] + ARGS + ["--output_dir", str(tmp_path)], cwd=ROOT,
+                          env=child_env() | {"ULYSSES_TRAIN_FAULT": "raise:2:1"}, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode != 0, "expected a failure"
     text = proc.stdout + proc.stderr
     assert "error: rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in text
 
@@ -121,7 +157,7 @@ def test_nan_loss_stops_naming_the_step_or_is_skipped(tmp_path):
     assert all(torch.isfinite(w).all() for w in weights(ckpt(tmp_path / "skip", 6)).values())
 
 
-def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
+def test_sigterm_saves_and_the_next_launch_resumes(straight, tmp_path):
     """As under SLURM: every task gets SIGTERM; the run saves, exits 0, and `--resume auto` continues. The run
     waits at step 3 until the signal (ULYSSES_TRAIN_FAULT=hold_at:3), so where it stops does not depend on speed."""
     port, out = str(launch_port()), tmp_path / "run"
@@ -145,12 +181,11 @@ def test_sigterm_saves_and_the_next_launch_resumes(tmp_path):
     subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(out), "--resume", "auto",
                                                           "--resume_override", "steps"],
                    cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
-    subprocess.run(torchrun_launcher(2) + [TRAIN] + base + ["--output_dir", str(tmp_path / "straight")],
-                   cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=HANG_GUARD_S)
-    # the first run was launched for 200 steps, so its lr schedule differs: compare the data, not the losses
+    # the first run was launched for 200 steps, so its lr schedule differs: compare the data, not the losses, with
+    # those of the straight run's first steps (the same --seq_len and data; --steps changes neither)
     resumed = metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, total + 1))
-    assert [r["num_tokens"] for r in resumed] == [r["num_tokens"] for r in metrics(tmp_path / "straight")]
+    assert [r["num_tokens"] for r in resumed] == [r["num_tokens"] for r in metrics(straight)[:total]]
 
 
 def test_export_round_trip_gives_the_training_time_logits(tmp_path):

@@ -138,9 +138,51 @@ def test_validate_rejects_bad_flags(tmp_path):
         cfg.validate()
 
 
-def test_unknown_flag_exits():
-    with pytest.raises(SystemExit):
+def test_unknown_flag_is_one_message():
+    """argparse printed its 40-line usage on every rank; the error is now a ConfigError the CLI prints once."""
+    with pytest.raises(ConfigError, match=r"^unrecognized arguments: --no_such_flag 1 \(python launch/train.py "
+                                          r"--help lists the flags\)$"):
         parse_args(["--no_such_flag", "1"])
+    with pytest.raises(ConfigError, match=r"^argument --seq_len: invalid int value: 'x'"):
+        parse_args(["--seq_len", "x"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("seq_len: 64\nsteps: 2\nseq_len: 128\n", r"the key 'seq_len' appears twice \(lines 1 and 3\); keep one"),
+    ("steps: 2\nmax_steps: 3\n", r"steps and max_steps name the same flag --steps: keep one"),
+    ("seq-len: 64\nseq_len: 128\n", r"seq-len and seq_len name the same flag --seq_len: keep one"),
+    ("help: true\n", r"'help' cannot be set in a config file"),
+    ("config: other.yaml\n", r"'config' cannot be set in a config file"),
+    ("seq_len: many\n", r"seq_len: invalid int value: 'many'"),
+    ("dtype: fp16\n", r"dtype: invalid choice: 'fp16' \(choose from 'auto', 'bf16', 'fp32'\)"),
+    ("packing: maybe\n", r"packing: expected true/false, got 'maybe'"),
+    ("seq_lenn: 5\n", r"1 unsupported key: seq_lenn \(nearest flag: --seq_len\)"),
+    ("seq_len: {a: 1}\n", r"seq_len: give a value or a list of values, not a nested mapping"),
+    ("report_to: [[tensorboard]]\n", r"report_to: give a value or a list of values, not a nested list"),
+    # 415 bytes of these allocated gigabytes and ended in MemoryError
+    ('a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
+     'c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n', r"line 2: the alias \*a is not allowed \(write the value out\)"),
+    ("- 5\n", r"must hold a mapping of flag names to values"),
+    ("seq_len: [5\n", r"is not valid YAML"),
+])
+def test_config_files_are_read_strictly_naming_the_file_and_key(tmp_path, text, message):
+    """--config kept the last of two equal keys silently, exited 0 on `help: true`, let aliases expand without
+    bound, and named a wrong value's flag but not the file."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^--config {re.escape(str(path))}:? " + message):
+        parse_args(["--config", str(path)])
+
+
+def test_config_file_values_are_taken_as_typed(tmp_path):
+    """A value starting with -- was taken for a flag (argparse: "expected one argument")."""
+    path = tmp_path / "run.yaml"
+    path.write_text("output_dir: --odd-name\nweight_decay: -1e-2\nreport_to: [tensorboard, wandb]\npacking: true\n"
+                    "steps: 3\n")
+    cfg, explicit = parse_args(["--config", str(path), "--steps", "4"])
+    assert (cfg.output_dir, cfg.weight_decay, cfg.report_to, cfg.packing) == ("--odd-name", -0.01,
+                                                                              "tensorboard,wandb", True)
+    assert cfg.steps == 4 and {"output_dir", "weight_decay", "report_to", "packing", "steps"} <= explicit
 
 
 def test_slurm_environment():

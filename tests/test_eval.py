@@ -8,7 +8,7 @@ import pytest
 from tests.distributed import run_distributed
 from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
 from tests.test_sft_train import _chats
-from tests.trainer_runs import deepspeed_launcher, metrics, run
+from tests.trainer_runs import metrics
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,14 @@ def _args(files):
             "--chat_template", files["template"], "--data_cache_dir", files["cache"], "--seq_len", "128"]
 
 
-def _evaluate_against_transformers(rank, world, files, settings):
+def _evaluate_against_transformers(rank, world, files, settings, trained):
+    """Each of `settings` evaluated (ours, and on rank 0 plain transformers on the same weights and samples); then
+    `trained` run through the training loop, which evaluates every --eval_steps and after the last step."""
     import torch
 
     from ulysses_train.train.config import parse_args
     from ulysses_train.train.evaluate import evaluate
+    from ulysses_train.train.loop import train
     from ulysses_train.train.trainer import Trainer
     from ulysses_train.train.verify import _gather_weights
     from ulysses_train.train.verify_reference import reference_step
@@ -48,22 +51,35 @@ def _evaluate_against_transformers(rank, world, files, settings):
                        for i in range(trainer.eval_source.num_samples)]
             ref_loss, _, _ = reference_step(trainer.model_config, weights, batches, torch.float32, trainer.device)
             results.append((ours, ref_loss))
+    trainer = Trainer(*parse_args(_args(files) + trained + ["--output_dir", os.path.join(files["out"], "trained")]))
+    train(trainer)
     return results
 
 
-def test_eval_loss_under_sp_equals_plain_transformers(files):
+TRAINED = ["--steps", "5", "--eval_steps", "2", "--sp_size", "2", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def launched(files):
+    """One launch of two ranks for both tests below (rank 0's results)."""
+    settings = [["--sp_size", "2"], ["--sp_size", "1"], ["--sp_size", "2", "--packing"]]
+    results = run_distributed(_evaluate_against_transformers, 2, files, settings, TRAINED, use_deepspeed=True)[0]
+    return {"settings": settings, "results": results, "trained": os.path.join(files["out"], "trained")}
+
+
+def test_eval_loss_under_sp_equals_plain_transformers(launched):
     """SP=2 (one SP group) and SP=1 (two DP groups, seven samples: the second group's last micro-batch runs past
     the end and counts nothing), packed and not: the mean over every trained token of the eval samples."""
-    settings = [["--sp_size", "2"], ["--sp_size", "1"], ["--sp_size", "2", "--packing"]]
-    results = run_distributed(_evaluate_against_transformers, 2, files, settings, use_deepspeed=True)[0]
-    for extra, (ours, reference) in zip(settings, results):
+    assert len(launched["results"]) == len(launched["settings"])
+    for extra, (ours, reference) in zip(launched["settings"], launched["results"]):
         assert ours["eval_loss"] == pytest.approx(reference, rel=1e-5), extra
         assert ours["eval_tokens"] > 0 and ours["eval_samples"] >= 1
 
 
-def test_eval_runs_every_eval_steps_and_after_the_last_step(files, tmp_path):
-    run(deepspeed_launcher(2), _args(files) + ["--steps", "5", "--eval_steps", "2", "--sp_size", "2"], tmp_path)
-    records = metrics(tmp_path)
+def test_eval_runs_every_eval_steps_and_after_the_last_step(launched):
+    """Through the training loop (the trainer's own, in the launch above): into metrics.jsonl."""
+    records = metrics(launched["trained"])
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     evaluated = [r["step"] for r in records if "eval_loss" in r]
     assert evaluated == [2, 4, 5]
     losses = [r["eval_loss"] for r in records if "eval_loss" in r]

@@ -134,7 +134,7 @@ def test_conversations_count_only_trained_tokens(setup):
 def test_data_without_a_target_is_one_message_and_exit_2(setup, capsys, tmp_path):
     """It printed NaN means and exited 0: conversations with no assistant turn, or first --num_samples samples
     that train nothing, are refused before any process group or model; so are pre-tokenized ids past the model's
-    vocabulary."""
+    vocabulary, and a template that raises (a bare exception, exit 3)."""
     from tests.sft_fixtures import write_jsonl
     from ulysses_train.tools.eval_positions import main
 
@@ -150,6 +150,11 @@ def test_data_without_a_target_is_one_message_and_exit_2(setup, capsys, tmp_path
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"error: the first 1 sample(s) of --dataset {late} have no target (nothing the model is trained "
                    f"to write under --loss_on auto): raise --num_samples, or check --loss_on and --chat_template"), err
+    raising = tmp_path / "raising.jinja"  # a bare ZeroDivisionError, exit 3
+    raising.write_text("{{ 1/0 }}")
+    assert main([x if x != f"{ROOT}/examples/chatml.jinja" else str(raising) for x in base] + ["--dataset", late]) == 2
+    assert f"error: row 0 of --dataset {late}: --chat_template {raising} fails on the conversation: " \
+           f"ZeroDivisionError: division by zero" in capsys.readouterr().err
     tokens = write_jsonl(tmp_path / "tokens.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 512, 7]}])
     no_template = [x for x in base if x not in ("--chat_template", f"{ROOT}/examples/chatml.jinja")]
     assert main(no_template + ["--dataset", tokens]) == 2  # the tiny model has 512 ids

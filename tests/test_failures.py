@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.distributed import run_distributed
 from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, deepspeed_launcher
 
 HANG_GUARD_S = 600
@@ -39,10 +40,8 @@ def three_head_config(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["sp_not_dividing_world", "heads", "seq_len", "ds_contradiction", "unknown_flag",
-                                  "dataset_too_short", "missing_column", "corrupt_dataset", "missing_model",
-                                  "output_dir_is_a_file", "no_target"])
-def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
+def bad_settings(tmp_path, three_head_config) -> dict:
+    """{case: (flags, what the error says)}, with the files the cases read written under tmp_path."""
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("short text")
     (tmp_path / "rows.jsonl").write_text('{"body": "x"}\n')
@@ -52,7 +51,7 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
     data = ["--tokenizer", "bytes", "--data_cache_dir", str(tmp_path / "cache")]
     conflicting = tmp_path / "ds.json"
     conflicting.write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3}}))
-    args, expected = {
+    return {
         "sp_not_dividing_world": (["--sp_size", "3"], "--sp_size 3 does not divide the world size 2"),
         "heads": (["--model_config", three_head_config], "--sp_size 2 must divide the model's 3 attention heads"),
         "seq_len": (["--seq_len", "63"], "--seq_len 63 is not a multiple of --sp_size 2"),
@@ -73,11 +72,51 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
                        f"{ROOT}/examples/chatml.jinja"] + data,
                       f"--dataset {tmp_path / 'noassist.jsonl'}: no target: none of its 8 conversations has a "
                       f"token the model is trained to write with --loss_on assistant"),
-    }[case]
+    }
+
+
+# One launch per stage a run can stop at: the command line, the paths checked before the process group, a check
+# every rank makes once the group exists, and the data rank 0 reads alone (its error broadcast). The other settings
+# stop at one of these stages too; test_every_bad_setting_stops_every_rank_naming_the_flag checks their messages.
+LAUNCHED = ["unknown_flag", "missing_model", "sp_not_dividing_world", "corrupt_dataset"]
+
+
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
+    args, expected = bad_settings(tmp_path, three_head_config)[case]
     results = run_ranks(2, ["--output_dir", str(tmp_path / "out")] + args)  # the last --output_dir wins
     assert all(r.returncode == 2 for r in results), [(r.returncode, r.stderr[-2000:]) for r in results]
     assert expected in results[0].stderr
     assert "Traceback" not in results[0].stderr
+
+
+def _build_each(rank, world, runs):
+    """What building the run (as cli.main does: parse_args, then Trainer) raises on this rank, for each argv."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.trainer import Trainer
+
+    raised = {}
+    for case, argv in runs:
+        try:
+            Trainer(*parse_args(argv))
+            raised[case] = "no error"
+        except ConfigError as e:  # what main prints (rank 0) and exits 2 for, as the launches above show
+            raised[case] = str(e)
+    return raised
+
+
+def test_every_bad_setting_stops_every_rank_naming_the_flag(three_head_config, tmp_path):
+    """The settings not launched above, all in one launch of two ranks: on every rank, building the run raises
+    the ConfigError naming the flag (rank 0's data errors reach rank 1 too)."""
+    cases = bad_settings(tmp_path, three_head_config)
+    common = ["--seq_len", "64", "--steps", "1"]
+    runs = [(case, common + ["--output_dir", str(tmp_path / "out" / case)] + args)
+            for case, (args, _) in cases.items() if case not in LAUNCHED]
+    assert len(runs) == 7
+    for rank, raised in enumerate(run_distributed(_build_each, 2, runs, use_deepspeed=True)):
+        for case, _ in runs:
+            assert cases[case][1] in raised[case], (rank, case, raised[case])
 
 
 def test_error_through_deepspeed_launcher():

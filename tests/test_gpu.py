@@ -348,7 +348,7 @@ def test_first_step_in_bf16_is_as_exact_as_transformers(tmp_path, ds_config):
                                   "--verify_seq_len", "8192",
                                   "--ds_config", f"ds_configs/{ds_config}", "--offload_activations"], tmp_path,
                expect_ok=False)
-    result = json.loads((tmp_path / "verify.json").read_text())
+    result = json.loads((tmp_path / "verify" / "verify.json").read_text())
     assert proc.returncode == (0 if result["passed"] else 1)
     assert result["dtype"] == "bfloat16" and not result["buffer_mismatches"], result
     assert result["passed"], proc.stdout[-3000:]

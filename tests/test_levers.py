@@ -78,27 +78,35 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     return loss.item(), grads, counter.calls, hooks.host_bytes if hooks else 0
 
 
-def _run(world, *args):
+def _steps(rank, world, runs):
+    return [_step(rank, world, *args) for args in runs]
+
+
+def _run_all(world, runs):
+    """_step for each argument tuple of `runs`, in this process (world 1) or in one launch of `world` ranks; rank
+    0's results, in order."""
     if world == 1:
-        return _step(0, 1, *args)
-    return run_distributed(_step, world, *args)[0]
+        return _steps(0, 1, runs)
+    return run_distributed(_steps, world, runs)[0]
 
 
 @pytest.mark.parametrize("sp", [1, 2])
 def test_levers_do_not_change_loss_or_gradients(sp):
-    base_loss, base_grads, base_calls, _ = _run(sp, False, "plain", False)  # no checkpointing, plain loss
     config = tiny_config("qwen3")
     layers = config.num_hidden_layers
-    assert base_calls == layers
     layer_input = SEQ // sp * config.hidden_size * 4  # fp32 bytes of one layer's input on this rank
     attention_out = SEQ * config.num_attention_heads // sp * config.head_dim * 4  # after the all-to-all
+    variants = ((False, "plain", False, False, False, 2 * layers), (True, "plain", False, False, False, layers),
+                (True, "fused", False, False, False, layers), (False, "fused", True, False, False, 2 * layers),
+                (True, "fused", True, False, False, layers), (False, "fused", False, True, False, 2 * layers),
+                (False, "plain", False, False, True, 2 * layers), (True, "fused", True, True, True, layers))
+    base = (False, "plain", False)  # no checkpointing, plain loss
+    (base_loss, base_grads, base_calls, _), *results = _run_all(sp, [base] + [
+        (keep, loss_kind, True, tiled, offload, lean) for keep, loss_kind, tiled, offload, lean, _ in variants])
+    assert base_calls == layers
     offloaded = {}
-    for keep, loss_kind, tiled, offload, lean, expected_calls in (
-            (False, "plain", False, False, False, 2 * layers), (True, "plain", False, False, False, layers),
-            (True, "fused", False, False, False, layers), (False, "fused", True, False, False, 2 * layers),
-            (True, "fused", True, False, False, layers), (False, "fused", False, True, False, 2 * layers),
-            (False, "plain", False, False, True, 2 * layers), (True, "fused", True, True, True, layers)):
-        loss, grads, calls, offloaded[keep, offload] = _run(sp, keep, loss_kind, True, tiled, offload, lean)
+    for (keep, loss_kind, tiled, offload, lean, expected_calls), result in zip(variants, results):
+        loss, grads, calls, offloaded[keep, offload] = result
         assert calls == expected_calls, (keep, loss_kind)  # recompute re-runs the kernel unless outputs are kept
         assert loss == pytest.approx(base_loss, rel=1e-6)
         for name, ref in base_grads.items():
@@ -133,9 +141,9 @@ def test_fused_kernels_with_every_lever_do_not_change_loss_or_gradients(sp):
     """Our Triton RMSNorm, rotary and SwiGLU (ulysses_train/levers/fused_kernels.py) inside checkpointed layers that
     keep and offload their attention outputs, with tiled MLP and the fused loss: the same loss and gradients as the
     plain model, and the attention kernel still runs once per layer."""
-    base_loss, base_grads, _, _ = _run(sp, False, "plain", False)
+    (base_loss, base_grads, _, _), (loss, grads, calls, _) = _run_all(
+        sp, [(False, "plain", False), (True, "fused", True, True, True, "fused")])
     layers = tiny_config("qwen3").num_hidden_layers
-    loss, grads, calls, _ = _run(sp, True, "fused", True, True, True, "fused")
     assert calls == layers
     assert loss == pytest.approx(base_loss, rel=1e-6)
     for name, ref in base_grads.items():
@@ -217,13 +225,13 @@ def test_fa4_op_outputs_are_kept_offloaded_and_exact(sp):
     keeps its outputs: with kept attention the op runs once per layer, the kept outputs go to the host with the
     offload, and loss and gradients equal SDPA's without checkpointing. The kernels themselves are swapped for an
     exact reference here (no GPU); tests/test_gpu.py runs the real ones."""
-    base_loss, base_grads, _, _ = _run(sp, False, "plain", False)
     layers = tiny_config("qwen3").num_hidden_layers
+    variants = ((False, False, 2 * layers), (True, False, layers), (True, True, layers), (False, True, 2 * layers))
+    (base_loss, base_grads, _, _), *results = _run_all(sp, [(False, "plain", False)] + [
+        (keep, "fused", True, False, offload, True, "flash_attn_4") for keep, offload, _ in variants])
     offloaded = {}
-    for keep, offload, expected_calls in ((False, False, 2 * layers), (True, False, layers), (True, True, layers),
-                                          (False, True, 2 * layers)):
-        loss, grads, calls, offloaded[keep, offload] = _run(sp, keep, "fused", True, False, offload, True,
-                                                            "flash_attn_4")
+    for (keep, offload, expected_calls), result in zip(variants, results):
+        loss, grads, calls, offloaded[keep, offload] = result
         assert calls == expected_calls, (keep, offload)
         assert loss == pytest.approx(base_loss, rel=1e-6)
         for name, ref in base_grads.items():

@@ -8,7 +8,8 @@ and 1e-6 absolute (gradients here are ~1e-3..1e-1).
 Both fused loss kernels (`--loss_kernel`: ours and Liger-Kernel's, the latter through Triton's interpreter on the
 CPU) run in the same launch, one after the other on the same weights, at SP=4 (Qwen3, whose head is tied to the
 embedding) and SP=2 (Llama, untied), the head partitioned by ZeRO-3; SP=1 runs both in this process.
-Each rank imports Liger (seconds), so the other launches run ours alone."""
+Each rank imports Liger (seconds), so the other cases run ours alone. The cases of one SP size run one after the
+other in one launch."""
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
     from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count, sp_backward_scale
@@ -52,6 +53,8 @@ def _sharded(rank, world, family, seed, loss_kind, stage, reduce_scatter=True, t
           "zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter}, "steps_per_print": 10**9,
           "bf16": {"enabled": dtype == "bfloat16"}}
     hf_ds = HfDeepSpeedConfig(ds) if stage == 3 else None  # noqa: F841  (kept alive for zero.Init)
+    # built under zero.Init exactly when stage 3 asks for it (an earlier case's config in this process must not linger)
+    assert is_deepspeed_zero3_enabled() == (stage == 3)
     model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="ulysses",
                                              dtype=getattr(torch, dtype))
     for name, param in model.named_parameters():  # the reference's weights, into the partitioned model
@@ -97,7 +100,7 @@ def _liger_runs() -> bool:
 BOTH = ("ours", "liger")
 
 
-@pytest.mark.parametrize("family,sp,loss_kind,stage,reduce_scatter,tiled,lean,kernels", [
+CASES = [  # family, sp, loss, ZeRO stage, reduce_scatter, tiled MLP, lean norms, loss kernels
     ("qwen3", 2, "fused", 3, True, True, True, ("ours",)),
     ("qwen3", 4, "fused", 3, True, False, False, BOTH),  # Liger's loss: tied head at SP=4, untied at SP=2 (llama)
     ("qwen3", 2, "plain", 3, True, False, False, ("ours",)),
@@ -105,14 +108,39 @@ BOTH = ("ours", "liger")
     # DeepSpeed averages differently on each of these reduction paths
     ("qwen3", 2, "fused", 3, False, False, False, ("ours",)),
     ("llama", 2, "fused", 2, True, False, True, ("ours",)),
-])
-def test_sharded_model_matches_single_process(family, sp, loss_kind, stage, reduce_scatter, tiled, lean, kernels):
+]
+
+
+def _arguments(family, sp, loss_kind, stage, reduce_scatter, tiled, lean, kernels):
+    """_sharded's arguments (after rank and world) for a case of CASES."""
     if "liger" in kernels and not _liger_runs():
         kernels = ("ours",)  # liger-kernel missing (it comes with the package on Linux): ours is still checked
-    seed = 17 * sp + len(family) + stage
+    return family, 17 * sp + len(family) + stage, loss_kind, stage, reduce_scatter, tiled, "float32", lean, kernels
+
+
+def _sharded_cases(rank, world, cases):
+    """_sharded for each argument tuple, one after the other in this process."""
+    return [_sharded(rank, world, *arguments) for arguments in cases]
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """{case: every rank's result} for CASES: one launch per SP size, its cases run one after the other."""
+    results = {}
+    for sp in sorted({case[1] for case in CASES}):
+        cases = [case for case in CASES if case[1] == sp]
+        per_rank = run_distributed(_sharded_cases, sp, [_arguments(*case) for case in cases], use_deepspeed=True)
+        for i, case in enumerate(cases):
+            results[case] = [rank_results[i] for rank_results in per_rank]
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case[:7])) + "-" + "+".join(case[7]))
+def test_sharded_model_matches_single_process(case, sharded):
+    family, seed, loss_kind, *_, kernels = _arguments(*case)
     _, _, ref_loss, ref_grads = _reference(family, seed, loss_kind)
-    results = run_distributed(_sharded, sp, family, seed, loss_kind, stage, reduce_scatter, tiled, "float32", lean,
-                              kernels, use_deepspeed=True)
+    results = sharded[case]
+    assert len(results) == case[1]
     for by_kernel in results:
         assert by_kernel.keys() == set(kernels)
         for kernel, (loss, grads) in by_kernel.items():

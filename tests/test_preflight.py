@@ -111,6 +111,14 @@ def test_model_config_errors_name_the_flag(model_folder, tmp_path):
     (folder / "config.json").write_text("{")
     with pytest.raises(ConfigError, match=rf"--model {folder}: .*not a valid JSON file"):
         load_model_config(str(folder), None)
+    # a malformed --model_config was a bare JSONDecodeError (exit 3)
+    bad = tmp_path / "model_config.json"
+    for text, message in (('{"vocab_size": 259,', "is not a readable JSON file: JSONDecodeError"),
+                          ("[1, 2]", "must hold a JSON object \\(a config.json\\), not a list"),
+                          ('{"model_type": "no_such_family"}', "transformers refuses the config: ValueError")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^--model_config {bad}:? {message}"):
+            load_model_config(None, str(bad))
 
 
 def test_a_damaged_tokenizer_names_the_flag(model_folder, tmp_path):

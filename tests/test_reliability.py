@@ -137,3 +137,77 @@ def test_a_busy_port_names_the_flag(tmp_path):
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "is in use (another run on this host?)" in proc.stderr and "--master_port" in proc.stderr
+
+
+def launch_like_deepspeed(world: int, args: list, rank0_late_s: float) -> list[tuple[int, str]]:
+    """The ranks as DeepSpeed's launch.py runs them, and like it (and torchrun) every rank ended with SIGTERM as
+    soon as one exits non-zero; rank 0 starts last, once another rank has exited or `rank0_late_s` later (a
+    loaded machine can leave it that far behind)."""
+    port = str(launch_port())
+    procs = {}
+    for rank in reversed(range(world)):
+        if rank == 0:
+            late = time.monotonic() + rank0_late_s
+            while time.monotonic() < late and all(p.poll() is None for p in procs.values()):
+                time.sleep(0.02)
+        procs[rank] = subprocess.Popen([sys.executable, TRAIN] + args, cwd=ROOT, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True,
+                                       env=child_env() | dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    procs = [procs[r] for r in range(world)]
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not any(p.poll() not in (None, 0) for p in procs) and not all(p.poll() == 0 for p in procs):
+        assert time.monotonic() < deadline, "hang"
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    return [(p.wait(timeout=HANG_GUARD_S), p.stdout.read()) for p in procs]
+
+
+def test_a_settings_error_is_printed_once_before_any_rank_exits(tmp_path):
+    """1 run in 5 with a settings error exited 2 with nothing printed: rank 1 exited at once and the launcher
+    killed rank 0 before it printed; and each rank printed argparse's 40-line usage. Now rank 0 prints one line,
+    naming the --config file and the key, and the others exit only once it has. Repeated, rank 0 starting after
+    rank 1 has exited (or 4 s late), which lost the message every time."""
+    config = tmp_path / "run.yaml"
+    config.write_text("seq_len: many\n")
+    for args, message in ((["--steps", "0"], "error: --steps must be positive, got 0"),
+                          (["--steps", "0"], "error: --steps must be positive, got 0"),
+                          (["--config", str(config)], f"error: --config {config}: seq_len: 'many' is not a valid int")):
+        results = launch_like_deepspeed(2, args + ["--output_dir", str(tmp_path / "out")], rank0_late_s=4.0)
+        text = "".join(out for _, out in results)
+        assert text.count(message) == 1 and message in results[0][1], results
+        assert "usage:" not in text and "Traceback" not in text, results
+        assert results[1][0] in (2, -signal.SIGTERM) and results[0][0] == 2, results
+
+
+def test_a_rank_stays_quiet_only_about_a_collective_that_lost_its_peer():
+    """`Connection refused` anywhere in an exception was taken for a peer's failure, so rank 0's own MLflow
+    ConnectionRefusedError went unreported (exit 3, nothing printed). A peer's failure is now recognised by where
+    the error came from, a collective (c10d's error types, torch.distributed's code, the backend's own message), and
+    by what it says. Real collectives losing their peer: test_an_unexpected_error_is_one_line_naming_the_rank."""
+    import torch.distributed as dist
+
+    from ulysses_train.train.cli import _peer_failure
+
+    def raised(make, *args):
+        try:
+            make(*args)
+        except BaseException as e:  # noqa: BLE001
+            return e
+        raise AssertionError("nothing raised")
+
+    def throw(error):
+        raise error
+
+    # gloo's message after an async collective's Work.wait(): the backend's source file comes first
+    assert _peer_failure(raised(throw, RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                                                    "Connection closed by peer [127.0.0.1]:4321")))
+    assert _peer_failure(raised(throw, dist.DistBackendError("NCCL communicator was aborted on rank 1")))
+    # the same words from this rank's own code
+    assert not _peer_failure(raised(throw, ConnectionRefusedError(111, "Connection refused")))
+    assert not _peer_failure(raised(throw, RuntimeError("API request to http://127.0.0.1:9/api/2.0/mlflow failed: "
+                                                        "[Errno 111] Connection refused")))
+    assert not _peer_failure(raised(throw, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected "
+                                                        "pos 64 vs 0")))

@@ -295,3 +295,110 @@ def test_pre_tokenized_ids_are_checked_at_load_naming_the_row_and_file(tmp_path,
         _samples(path, tmp_path, ByteTokenizer(), vocab_size=100)
     ok = write_jsonl(tmp_path / "ok.jsonl", [{"input_ids": [5.0, 6, 99]}] * 2)  # integral floats are ids
     assert np.asarray(_samples(ok, tmp_path, ByteTokenizer(), vocab_size=100)[1].tokens[:3]).tolist() == [5, 6, 99]
+
+
+# ---------------------------------------------------------------- templates and rows that used to fail silently
+
+USER_MARKED = CHATML_PLAIN.replace("'\\n' + message.content + '<|im_end|>' + '\\n' }}",
+                                   "'\\n' }}{% generation %}{{ message.content }}{% endgeneration %}"
+                                   "{{ '<|im_end|>\\n' }}")
+EVERYTHING_MARKED = "{% generation %}" + CHATML_PLAIN + "{% endgeneration %}"
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_generation_markers_outside_assistant_messages_are_refused_with_the_counts(tok, tokenizer):
+    """Markers around the user's turns trained the user's text, and markers around everything trained every token,
+    while the log said "loss on assistant"; the growing-prefix renderings say where each message is."""
+    t = tok if tokenizer == "bpe" else ByteTokenizer()
+    assert USER_MARKED != CHATML_PLAIN and "{% generation %}" in USER_MARKED
+    users = sum(len(m["content"]) for m in MULTI_TURN if m["role"] == "user")  # what USER_MARKED marks
+    for template, count, where in ((USER_MARKED, str(users), "user"),
+                                   (EVERYTHING_MARKED, r"\d+", "system, tool, user")):
+        assert any(marker_mask(t, template, MULTI_TURN)[1])
+        with pytest.raises(ConfigError, match=rf"markers enclose {count} of the conversation's \d+ characters outside "
+                                              rf"the assistant's messages \(in: {where}; \d+ marked characters are "
+                                              rf"in assistant messages\): they would be trained"):
+            assistant_mask(t, template, MULTI_TURN)
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset d.jsonl: --chat_template: its \{% generation %\} "
+                                          r"markers enclose"):
+        RowEncoder("messages", t, USER_MARKED, "assistant", dataset="d.jsonl")(
+            {"messages": [MULTI_TURN[1:2]]}, [0])  # no assistant turn at all: the user's text was trained
+    assert trained_spans(t, *assistant_mask(t, CHATML_QWEN, MULTI_TURN)) == ASSISTANT_TURNS  # the right ones pass
+
+
+def test_content_parts_are_flattened_to_text_and_other_content_is_refused(tok, tmp_path):
+    """`[{"type": "text", "text": ...}]` content rendered by a template that prints the content trained the
+    list's Python repr (or failed with a TypeError in `content + '<|im_end|>'`); other content failed with a bare
+    TypeError, exit 3."""
+    parts = [dict(m, content=[{"type": "text", "text": m["content"][:3]}, {"type": "text", "text": m["content"][3:]}])
+             for m in MULTI_TURN]
+    printing = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    for template in (CHATML_QWEN, printing):
+        as_parts = _encode("messages", tok, [{"messages": parts}], "all", template)
+        assert as_parts == _encode("messages", tok, [{"messages": MULTI_TURN}], "all", template)
+        assert "'type'" not in tok.decode(as_parts[0][0])
+    path = write_jsonl(tmp_path / "parts.jsonl", [{"messages": parts}] * 2)  # through Arrow: absent keys are None
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_QWEN)
+    samples, store, _ = _samples(path, tmp_path, tok, chat_template=str(template))
+    assert trained_spans(tok, store.tokens[:len(store.tokens) // 2], store.trained[:len(store.tokens) // 2]) == \
+        ASSISTANT_TURNS
+    for content, message in (([{"type": "image", "url": "cat.png"}], r"`messages`\[1\]\.content\[0\] is a part of "
+                                                                     r"type 'image': content parts must be text"),
+                             (5, r"`messages`\[1\]\.content is 5 \(int\): content must be text"),
+                             ({"text": "hi"}, r"`messages`\[1\]\.content is \{'text': 'hi'\} \(dict\)"),
+                             ([{"type": "text", "text": 7}],
+                              r"`messages`\[1\]\.content\[0\] is a text part whose text is 7")):
+        rows = [{"messages": MULTI_TURN}, {"messages": [MULTI_TURN[0], dict(MULTI_TURN[1], content=content)]}]
+        with pytest.raises(ConfigError, match=r"row 1 of --dataset d.jsonl: " + message):
+            RowEncoder("messages", tok, CHATML_QWEN, "assistant", dataset="d.jsonl")(
+                {"messages": [r["messages"] for r in rows]}, [0, 1])
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ("{% include 'other.jinja' %}", "TypeError: no loader for this environment specified"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError: Range too big"),
+    ("{{ messages[0].content.no_such_method() }}", "UndefinedError"),
+])
+def test_a_template_that_raises_is_one_error_naming_the_row_file_and_flag(tok, tmp_path, template, message):
+    """Each failed with its own bare exception (exit 3) from inside datasets.map."""
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI_TURN}])
+    with pytest.raises(ConfigError, match=rf"^row 0 of --dataset {data}: --chat_template {path} fails on the "
+                                          rf"conversation: {message}"):
+        _samples(data, tmp_path, tok, chat_template=str(path))
+
+
+def test_a_template_that_never_ends_is_stopped_naming_the_row(tok, tmp_path, monkeypatch):
+    """Nested range loops held the run at "rendering 0/60" for ever (each loop is within the sandbox's limit)."""
+    from ulysses_train.data import chat
+
+    monkeypatch.setattr(chat, "RENDER_TIMEOUT_S", 1.0)
+    path = tmp_path / "slow.jinja"
+    path.write_text("{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}{% endfor %}")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": MULTI_TURN}] * 3)
+    with pytest.raises(ConfigError, match=rf"row 0 of --dataset {data}: --chat_template {path} did not finish "
+                                          rf"rendering the conversation within 1 s"):
+        _samples(data, tmp_path, tok, chat_template=str(path))
+
+
+def test_empty_dataset_files_name_the_flag(tmp_path):
+    """A 0-byte .jsonl failed with a bare StopIteration inside datasets (exit 3), for --dataset and --eval_dataset."""
+    from types import SimpleNamespace
+
+    from ulysses_train.data.load import _Loader
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_text("")
+    (tmp_path / "folder" / "b.jsonl").write_text("")
+    cfg = SimpleNamespace(tokenizer="bytes", model=None, streaming=False, data_format="auto", text_column=None)
+    for flag in ("dataset", "eval_dataset"):
+        assert _Loader(cfg, str(empty), "train", 64, 259, print, flag).load() == (
+            f"--{flag} {empty} is empty (0 bytes): nothing to read; give a file with rows")
+    assert _Loader(cfg, str(tmp_path / "folder"), "train", 64, 259, print, "dataset").load() == (
+        f"--dataset {tmp_path / 'folder'}: its 2 file(s) are empty (0 bytes): nothing to read; give a file with rows")

@@ -1,9 +1,8 @@
-"""Conversations through the trainer: a packed SFT run under the DeepSpeed launcher (SP=2) whose loss falls and whose
-metrics count each step's conversations and trained tokens; `--verify` on chat data (labels reach the reference);
-and the SP x DP x accumulation normalisation on SFT data against one process, with samples whose targets all sit on
-one SP rank and a sample with no target at all."""
+"""Conversations through the trainer: a packed SFT run (SP=2) whose loss falls and whose metrics count each step's
+conversations and trained tokens; `--verify` on packed chat data (labels reach the reference); and the SP x DP x
+accumulation normalisation on SFT data against one process, with samples whose targets all sit on one SP rank and a
+sample with no target at all. The two `--verify` checks share one launch of four ranks."""
 
-import json
 import re
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
-from tests.trainer_runs import deepspeed_launcher, metrics, run
+from tests.trainer_runs import metrics, plain_ranks, run
 from tests.test_verify import _check
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
@@ -68,7 +67,7 @@ def test_packed_conversations_train_under_sp2(chat_files):
     from ulysses_train.data.sources import trainable_tokens
 
     out_dir = chat_files["folder"] / "train"
-    out = run(deepspeed_launcher(2), _args(chat_files) + ["--sp_size", "2", "--packing", "--steps", "8"], out_dir)
+    out = run(plain_ranks(2), _args(chat_files) + ["--sp_size", "2", "--packing", "--steps", "8"], out_dir)
     assert "data: messages, loss on assistant, --chat_template chatml.jinja: 48 conversations" in out.stdout
     assert "cache written, packing True" in out.stdout
     records = metrics(out_dir)
@@ -80,16 +79,15 @@ def test_packed_conversations_train_under_sp2(chat_files):
         assert r["conversations"] >= 2 and 0 < r["num_tokens"] < 256 / 4
 
 
-def test_verify_on_packed_chat_data(chat_files):
+def test_verify_on_packed_chat_data(chat_files, verified):
     from ulysses_train.data.sources import trainable_tokens
 
-    out_dir = chat_files["folder"] / "verify"
-    out = run(deepspeed_launcher(2), _args(chat_files) + ["--verify", "--verify_seq_len", "128", "--packing"],
-              out_dir)
-    assert "verdict: PASS" in out.stdout
-    result = json.loads((out_dir / "verify.json").read_text())
-    batch, = _step_batches(_samples(chat_files, 128, packing=True), 1, packing=True)
-    assert result["targets"] == trainable_tokens(batch) < 128 / 3  # the assistant labels reached the reference
+    result = verified["packed"]
+    assert result["passed"], result
+    assert "sp 2 x dp 2" in result["setup"]
+    batches = _step_batches(_samples(chat_files, 128, packing=True), 1, packing=True, dp=2)
+    # the assistant labels reached the reference: every trained token of the step's two packed samples, no other
+    assert result["targets"] == sum(trainable_tokens(b) for b in batches) < 2 * 128 / 3
     assert result["ours"]["loss"] < 1e-5 and result["ours"]["grad_max"] < 1e-5
 
 
@@ -105,21 +103,32 @@ def _lopsided_chats():
                           {"role": "assistant", "content": "It sat on the mat."}]}]
 
 
-def test_sp_dp_accumulation_normalisation_on_sft_data_against_one_process(chat_files):
+@pytest.fixture(scope="module")
+def verified(chat_files):
+    """`--verify` (as run_verify, in-process) of both checks below in one launch of four ranks: SP=2 x DP=2."""
+    dataset = write_jsonl(chat_files["folder"] / "lopsided.jsonl", _lopsided_chats())
+    settings = {"lopsided": ["--sp_size", "2", "--grad_accum", "2", "--verify_seq_len", "128"]
+                + _args(chat_files, dataset),
+                "packed": ["--sp_size", "2", "--seq_len", "256", "--verify_seq_len", "128", "--packing"]
+                + _args(chat_files)}
+    results = run_distributed(_check, 4, list(settings.values()), str(chat_files["folder"] / "verify4"),
+                              use_deepspeed=True)[0]
+    return dict(zip(settings, results)) | {"lopsided_dataset": dataset}
+
+
+def test_sp_dp_accumulation_normalisation_on_sft_data_against_one_process(chat_files, verified):
     from ulysses_train.data.sources import trainable_tokens
     from ulysses_train.sp.sharding import IGNORE_INDEX, shift_labels
 
     seq_len = 128
-    dataset = write_jsonl(chat_files["folder"] / "lopsided.jsonl", _lopsided_chats())
-    samples = _samples(chat_files, seq_len, packing=False, dataset=dataset)
+    samples = _samples(chat_files, seq_len, packing=False, dataset=verified["lopsided_dataset"])
     targets = []
     for i in range(4):
         ids, labels, valid, _ = samples.sample(i)
         shifted = shift_labels(ids[None], labels[None])[0]
         targets.append((shifted != IGNORE_INDEX).nonzero().flatten().tolist())
     assert min(targets[0]) >= seq_len // 2 and targets[1] == []  # the design of the data holds
-    argv = ["--sp_size", "2", "--grad_accum", "2", "--verify_seq_len", str(seq_len)] + _args(chat_files, dataset)
-    result, = run_distributed(_check, 4, [argv], str(chat_files["folder"] / "verify4"), use_deepspeed=True)[0]
+    result = verified["lopsided"]
     assert result["passed"], result
     assert "sp 2 x dp 2" in result["setup"] and result["sequences"] == 4
     batches = _step_batches(samples, 1, packing=False, accum=2, dp=2)

@@ -5,6 +5,7 @@ MLflow (a local file store); the test reads each tracker's own files back and fi
 metrics.jsonl there. The run is then resumed for two more steps: the same wandb and MLflow runs continue."""
 
 import glob
+import subprocess
 import json
 import sys
 
@@ -84,8 +85,59 @@ def test_report_to_and_config_file_errors_name_the_flag(tmp_path, capsys):
     for text, expected in (("seq_lenn: 5\n", "1 unsupported key: seq_lenn (nearest flag: --seq_len)"),
                            ("seq_len: [5\n", "is not valid YAML"),
                            ("- 5\n", "must hold a mapping of flag names to values"),
-                           ("seq_len: many\n", "invalid int value: 'many'")):
+                           ("seq_len: many\n", f"--config {bad}: seq_len: 'many' is not a valid int")):
         bad.write_text(text)
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(ConfigError) as e:  # the CLI prints it once (rank 0), exit 2
             parse_args(["--config", str(bad)])
-        assert e.value.code == 2 and expected in capsys.readouterr().err
+        assert expected in str(e.value)
+
+
+def _refused_uri() -> str:
+    """An http URI on this host where nothing listens (the connection is refused at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_tracker_that_cannot_start_is_named_before_the_model_is_built(tmp_path, monkeypatch):
+    """Rank 0's own MLflow ConnectionRefusedError was taken for a peer's failure: no message, no errors/rank_0.txt,
+    minutes of MLflow's retries, exit 3 once training started. The trackers now start before the model is built,
+    each within a time limit, and a failure names --report_to and where it writes; every exit path releases the
+    output folder's lock (an exit 2 left it filled, and the next run warned it took over from a run that died)."""
+    import socket
+
+    from ulysses_train.train import tracking
+    from ulysses_train.train.config import TrainConfig
+
+    uri = _refused_uri()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = TrainConfig(report_to="mlflow", output_dir=str(tmp_path / "a"))
+    with pytest.raises(ConfigError, match=rf"^--report_to mlflow: the tracker does not start, writing to "
+                                          rf"MLFLOW_TRACKING_URI={uri} \(.*Connection refused.*\): start the server "
+                                          rf"or point MLFLOW_TRACKING_URI at one that answers"):
+        tracking.start_trackers(cfg, resuming=False, rank=0)
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "tensorboard").write_text("")  # a file where its folder goes
+    with pytest.raises(ConfigError, match=rf"^--report_to tensorboard: the tracker does not start, writing to "
+                                          rf"{tmp_path / 'tb' / 'tensorboard'} \(FileExistsError"):
+        tracking.start_trackers(TrainConfig(report_to="tensorboard", output_dir=str(tmp_path / "tb")), False, 0)
+    with socket.socket() as silent:  # accepts connections, never answers: MLflow would wait 120 s per request
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(tracking, "START_TIMEOUT_S", 1.0)
+        with pytest.raises(ConfigError, match=r"--report_to mlflow: the tracker does not start, .* \(no answer within "
+                                              r"1 s\)"):
+            tracking.start_trackers(cfg, resuming=False, rank=0)
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, TRAIN, "--output_dir", str(out), "--steps", "2", "--seq_len", "64",
+                           "--report_to", "mlflow"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=child_env() | {"MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"error: --report_to mlflow: the tracker does not start, writing to MLFLOW_TRACKING_URI={uri}" in proc.stderr
+    assert "Traceback" not in proc.stderr and "levers:" not in proc.stdout  # before the model was built
+    assert (out / ".lock").read_text() == ""  # released: the next run takes it without a warning

@@ -53,7 +53,12 @@ def test_verify_passes_for_sp_zero_stage_and_loss(tmp_path):
         assert result["ours"]["loss"] < 1e-5 and result["ours"]["grad_max"] < 1e-5  # fp32 on CPU: rounding only
 
 
-def _faulty(rank, world, tmp, fault):
+FAULTS = [("none", []), ("rotary rounded", ["buffers"]),
+          ("sp gradient scale", ["grad norm", "per-tensor grad, median", "per-tensor grad, max"])]
+
+
+def _faulty(rank, world, tmp, faults):
+    """A bf16 --verify with each fault in turn (each undone before the next)."""
     import transformers.modeling_utils as modeling_utils
 
     import ulysses_train.model.build as models
@@ -61,18 +66,28 @@ def _faulty(rank, world, tmp, fault):
     from ulysses_train.model.buffers import BufferReport
 
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext  # as transformers 5.17 builds under ZeRO-3
-    if fault == "rotary rounded":
-        models.restore_fp32_buffers = trainer.restore_fp32_buffers = lambda model, dtype: BufferReport()
-    if fault == "sp gradient scale":  # each SP rank's share reduced as if it were a whole sequence's gradient
-        trainer.sp_backward_scale = lambda ds, sp: 1
-    return _check(rank, world, [["--dtype", "bf16", "--seq_len", "1024"]], tmp)[0]
+    originals = models.restore_fp32_buffers, trainer.restore_fp32_buffers, trainer.sp_backward_scale
+    results = {}
+    for fault in faults:
+        if fault == "rotary rounded":
+            models.restore_fp32_buffers = trainer.restore_fp32_buffers = lambda model, dtype: BufferReport()
+        if fault == "sp gradient scale":  # each SP rank's share reduced as if it were a whole sequence's gradient
+            trainer.sp_backward_scale = lambda ds, sp: 1
+        results[fault] = _check(rank, world, [["--dtype", "bf16", "--seq_len", "1024"]], os.path.join(tmp, fault))[0]
+        models.restore_fp32_buffers, trainer.restore_fp32_buffers, trainer.sp_backward_scale = originals
+    return results
 
 
-@pytest.mark.parametrize("fault,failed", [("none", []), ("rotary rounded", ["buffers"]),
-                                          ("sp gradient scale", ["grad norm", "per-tensor grad, median",
-                                                                 "per-tensor grad, max"])])
-def test_verify_fails_on_a_fault_and_names_it(tmp_path, fault, failed):
-    result = run_distributed(_faulty, 2, str(tmp_path), fault, use_deepspeed=True)[0]
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """Every fault of the test below, in one launch of two ranks."""
+    tmp = str(tmp_path_factory.mktemp("faulty"))
+    return run_distributed(_faulty, 2, tmp, [fault for fault, _ in FAULTS], use_deepspeed=True)[0]
+
+
+@pytest.mark.parametrize("fault,failed", FAULTS)
+def test_verify_fails_on_a_fault_and_names_it(faulty, fault, failed):
+    result = faulty[fault]
     assert result["dtype"] == "bfloat16" and result["transformers"] is not None
     assert result["failed"] == failed and result["passed"] == (not failed), result
     if fault == "rotary rounded":  # at this size the rounding hides in bf16 noise; the exact buffer check does not
@@ -80,11 +95,16 @@ def test_verify_fails_on_a_fault_and_names_it(tmp_path, fault, failed):
 
 
 def test_verify_command_line(tmp_path):
+    """Into a training run's folder: its report and settings go to verify/ (it rewrote the run's config.yaml with
+    verify: true)."""
+    (tmp_path / "config.yaml").write_text("seq_len: 256\n")  # the training run's
     out = run(deepspeed_launcher(2), ["--verify", "--verify_seq_len", "128"], tmp_path)
     assert "verdict: PASS" in out.stdout and "per-tensor grad, max" in out.stdout
-    with open(tmp_path / "verify.json") as f:
+    with open(tmp_path / "verify" / "verify.json") as f:
         assert json.load(f)["passed"] is True
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
+    assert (tmp_path / "config.yaml").read_text() == "seq_len: 256\n"
+    assert "verify: true" in (tmp_path / "verify" / "config.yaml").read_text()
 
 
 def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():

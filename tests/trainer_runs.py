@@ -22,12 +22,26 @@ def child_env():
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def run(launcher: list, args: list, out_dir, expect_ok=True) -> subprocess.CompletedProcess:
-    cmd = launcher + [TRAIN] + COMMON + ["--output_dir", str(out_dir)] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+def run(launcher, args: list, out_dir, expect_ok=True) -> subprocess.CompletedProcess:
+    """launch/train.py with COMMON and `args`; `launcher` is a command prefix (deepspeed_launcher(2),
+    [sys.executable], ...) or plain_ranks(n)."""
+    cmd = [TRAIN] + COMMON + ["--output_dir", str(out_dir)] + args
+    if isinstance(launcher, dict):
+        from tests.ranks import run_ranks
+
+        proc = run_ranks(launcher["plain_ranks"], cmd)  # every rank's exit code: all 0 for returncode 0
+    else:
+        cmd = launcher + cmd
+        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
     if expect_ok:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def plain_ranks(n):
+    """No launcher: n ranks started as plain processes with the launcher's variables (tests/ranks.py), for tests of
+    the trainer rather than of a launcher; the launchers are tested in test_train_e2e.py."""
+    return {"plain_ranks": n}
 
 
 def deepspeed_launcher(n):

@@ -22,19 +22,28 @@ check that ChatML with and without markers gives the same mask.
 
 A template where neither way finds the assistant's tokens (markers that mark nothing, renderings that are not
 prefixes of each other, such as templates that render the last assistant turn unlike earlier ones) is a
-ConfigError naming --chat_template.
+ConfigError naming --chat_template. So are markers that enclose tokens outside the assistant's messages (around a
+user turn, or around everything): with the growing prefixes, which know where each message's rendering starts and
+ends, every marked token is checked to lie in an assistant message's rendering.
+
+A template runs on each row under a time limit (RENDER_TIMEOUT_S per rendering: nested loops can take for ever),
+and whatever it raises (`1/0`, an `{% include %}`, the sandbox's range limit) is a TemplateFailure, which the data
+layer names with the row, the file and the flag.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Optional
 
 import numpy as np
 
+from ..deadline import DeadlineExceeded, deadline
 from ..errors import ConfigError
 
+RENDER_TIMEOUT_S = 30.0  # one rendering of one conversation takes milliseconds, even at a million tokens
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 FIX = ("give a template (--chat_template FILE) that wraps each assistant turn's content and end-of-turn token in "
        "{% generation %} ... {% endgeneration %}, or whose rendering of a conversation grows by whole turns")
@@ -42,6 +51,25 @@ FIX = ("give a template (--chat_template FILE) that wraps each assistant turn's 
 
 class TemplateMismatch(Exception):
     """The prefix method cannot split a conversation into turns; the message says where."""
+
+
+class TemplateFailure(Exception):
+    """The chat template raised, or ran past RENDER_TIMEOUT_S, on a conversation; the message says how."""
+
+
+@contextlib.contextmanager
+def _template_runs():
+    """The template's own failures, and a rendering that does not end, as TemplateFailure."""
+    try:
+        with deadline(RENDER_TIMEOUT_S):
+            yield
+    except DeadlineExceeded:
+        raise TemplateFailure(f"did not finish rendering the conversation within {RENDER_TIMEOUT_S:g} s (loops "
+                              f"that never end, or far too many?)") from None
+    except (ConfigError, TemplateMismatch):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the template's code raises: 1/0, include, the sandbox's limits
+        raise TemplateFailure(f"fails on the conversation: {type(e).__name__}: {e}") from None
 
 
 def load_chat_template(path: Optional[str], tokenizer) -> str:
@@ -82,10 +110,11 @@ def render(tokenizer, template: str, messages: list, generation_prompt: bool = F
     """The template's text for `messages` and, with `spans`, the character spans its generation markers enclose."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    texts, indices = render_jinja_template(conversations=[messages], chat_template=template,
-                                           add_generation_prompt=generation_prompt,
-                                           return_assistant_tokens_mask=spans,
-                                           **dict(getattr(tokenizer, "special_tokens_map", {})))
+    with _template_runs():
+        texts, indices = render_jinja_template(conversations=[messages], chat_template=template,
+                                               add_generation_prompt=generation_prompt,
+                                               return_assistant_tokens_mask=spans,
+                                               **dict(getattr(tokenizer, "special_tokens_map", {})))
     return texts[0], (indices[0] if spans else [])
 
 
@@ -108,8 +137,9 @@ def marker_mask(tokenizer, template: str, messages: list) -> tuple[list[int], li
     from .corpus import ByteTokenizer
 
     if not isinstance(tokenizer, ByteTokenizer):
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        with _template_runs():
+            out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])
     text, spans = render(tokenizer, template, messages, spans=True)
     char_bytes = np.fromiter((len(c.encode("utf-8")) for c in text), dtype=np.int64, count=len(text))
@@ -160,6 +190,7 @@ def assistant_mask(tokenizer, template: str, messages: list) -> tuple[list[int],
     if has_generation_markers(template) and getattr(tokenizer, "is_fast", True):  # the mask needs token offsets
         ids, mask = marker_mask(tokenizer, template, messages)
         if any(mask) or not has_assistant:
+            check_marked_in_assistant_messages(tokenizer, template, messages)
             return ids, mask
     try:
         return prefix_mask(tokenizer, template, messages)
@@ -167,6 +198,46 @@ def assistant_mask(tokenizer, template: str, messages: list) -> tuple[list[int],
         markers = ("its {% generation %} markers mark no token" if has_generation_markers(template)
                    else "it has no {% generation %} markers")
         raise ConfigError(f"--chat_template: cannot find the assistant's tokens: {markers}, and {e}; {FIX}") from None
+
+
+def message_ends(tokenizer, template: str, messages: list, text: str) -> Optional[list[int]]:
+    """Where each message's rendering (header, content, end of turn, separator) ends in `text`, the whole
+    conversation rendered: the length of the messages up to it rendered. None when those renderings are not
+    prefixes of `text` (then nothing can be said). Characters, not tokens: rendering is cheap, tokenizing each
+    prefix would not be."""
+    ends = []
+    for i in range(len(messages)):
+        upto = render(tokenizer, template, messages[:i + 1])[0]
+        if not text.startswith(upto):
+            return None
+        ends.append(len(upto))
+    return ends
+
+
+def check_marked_in_assistant_messages(tokenizer, template: str, messages: list) -> None:
+    """A ConfigError naming --chat_template, with the counts, when the template's generation markers enclose text
+    outside the assistant's messages: it would be trained while the log says "loss on assistant"."""
+    text, spans = render(tokenizer, template, messages, spans=True)
+    marked = np.zeros(len(text), dtype=bool)
+    for start, end in spans:
+        marked[start:end] = True
+    if not marked.any():
+        return
+    ends = message_ends(tokenizer, template, messages, text)
+    if ends is None:
+        return  # the template does not grow by whole messages: its markers are all there is to go by
+    positions = np.flatnonzero(marked)
+    owner = np.searchsorted(np.asarray(ends), positions, side="right")  # the message each marked character is in
+    roles = np.asarray([str(m.get("role")) for m in messages] + ["(after the last message)"], dtype=object)
+    outside = roles[owner] != "assistant"
+    if not outside.any():
+        return
+    where = ", ".join(sorted(set(roles[owner[outside]])))
+    raise ConfigError(f"--chat_template: its {{% generation %}} markers enclose {int(outside.sum())} of the "
+                      f"conversation's {len(text)} characters outside the assistant's messages (in: {where}; "
+                      f"{int((~outside).sum())} marked characters are in assistant messages): they would be trained. "
+                      f"Markers must enclose only what the assistant writes (its content and end-of-turn token); "
+                      f"fix the template, or remove its markers to find assistant turns by rendering")
 
 
 def completion_mask(tokenizer, template: str, prompt: list, completion: list) -> tuple[list[int], list[int]]:

@@ -86,6 +86,9 @@ def _local_builder(path: str) -> tuple[str, dict]:
         raise ConfigError(f"--dataset {path}: mixed or unsupported file types ({sorted(map(str, builders))}); "
                           f"use one of .txt, .jsonl/.json, .parquet, .arrow")
     builder = builders.pop()
+    if builder != "text" and all(os.path.getsize(f) == 0 for f in files):  # datasets fails on them with a bare
+        empty = f"{path} is" if files == [path] else f"{path}: its {len(files)} file(s) are"  # StopIteration
+        raise ConfigError(f"--dataset {empty} empty (0 bytes): nothing to read; give a file with rows")
     kwargs = {"data_files": files}
     if builder == "text":
         # one file = one document (a book), not one line; undecodable bytes become U+FFFD instead of failing

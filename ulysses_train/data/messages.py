@@ -82,14 +82,41 @@ def normalise(value, column: str, role_names: dict) -> list[dict]:
         raise ConfigError(f"`{column}` must be a non-empty list of {{role, content}} objects (or ShareGPT's {{from, "
                           f"value}}), got {str(value)[:80]!r}")
     out = []
-    for message in value:
+    for i, message in enumerate(value):
         message = {k: v for k, v in message.items() if v is not None}
         role = message.pop("role", None) or message.pop("from", None)
         if role is None:
             raise ConfigError(f"`{column}`: a message without `role` (or ShareGPT's `from`): {str(message)[:80]!r}")
+        if not isinstance(role, str):
+            raise ConfigError(f"`{column}`[{i}]: the role is {role!r}, not a string")
         if "content" not in message and "value" in message:
             message["content"] = message.pop("value")
+        if "content" in message:
+            message["content"] = _content(message["content"], f"`{column}`[{i}].content")
         if role == TOOL_CALL and role_names.get(role) == "assistant":
             message["tool_calls"] = _tool_calls(message.pop("content", None))
         out.append({"role": role_names.get(role, role), **message})
     return out
+
+
+def _content(value, where: str) -> str:
+    """A message's content as text. A list of parts (`[{"type": "text", "text": ...}]`, the multimodal form) has
+    its text parts joined in order, as a processor's template writes them one after another: a template that prints
+    `{{ content }}` would otherwise render the list's Python repr, and train it. Any other part (an image), or
+    content that is neither, is refused: it cannot be rendered as text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for k, part in enumerate(value):
+            part = {key: v for key, v in part.items() if v is not None} if isinstance(part, dict) else part
+            if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"),
+                                                                                                    str):
+                kind = (repr(part)[:60] if not isinstance(part, dict) else f"a part of type {part.get('type')!r}"
+                        if part.get("type", "text") != "text" else f"a text part whose text is {part.get('text')!r}")
+                raise ConfigError(f"{where}[{k}] is {kind}: content parts must be text ({{\"type\": \"text\", "
+                                  f"\"text\": ...}}); this trainer renders text only")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ConfigError(f"{where} is {repr(value)[:60]} ({type(value).__name__}): content must be text, a string or "
+                      f"a list of {{\"type\": \"text\", \"text\": ...}} parts")

@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError
-from .chat import assistant_mask, completion_mask, encode, load_chat_template, rendered_ids
+from .chat import TemplateFailure, assistant_mask, completion_mask, encode, load_chat_template, rendered_ids
 from .corpus import dataset_columns, unreadable_dataset_is_a_config_error
 from .messages import messages_column, normalise, parse_role_map, roles
 from .packing import ConversationSamples
@@ -97,14 +97,13 @@ class RowEncoder:
     truncated, or fail the embedding only when its row is drawn)."""
 
     def __init__(self, fmt: str, tokenizer, template: Optional[str], loss_on: str, vocab_size: Optional[int] = None,
-                 dataset: Optional[str] = None, column: str = "messages", role_names: Optional[dict] = None):
+                 dataset: Optional[str] = None, column: str = "messages", role_names: Optional[dict] = None,
+                 template_name: str = "the chat template"):
         self.fmt, self.tokenizer, self.template, self.loss_on = fmt, tokenizer, template, loss_on
-        self.vocab_size, self.dataset = vocab_size, dataset
+        self.vocab_size, self.dataset, self.template_name = vocab_size, dataset, template_name
         self.column, self.roles = column, roles(None) if role_names is None else role_names
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
-        from jinja2 import TemplateError
-
         out = {"input_ids": [], "trained": []}
         for j, index in enumerate(indices):
             row = {k: v[j] for k, v in batch.items()}
@@ -112,9 +111,9 @@ class RowEncoder:
                 ids, trained = getattr(self, f"_{self.fmt}")(row)
             except ConfigError as e:
                 raise ConfigError(f"{self._where(index)}: {e}") from None
-            except TemplateError as e:  # the template's own checks (raise_exception) and undefined values
-                raise ConfigError(f"{self._where(index)}: the chat template (--chat_template) fails on it: "
-                                  f"{type(e).__name__}: {e}") from None
+            except TemplateFailure as e:  # it raised (its own checks, 1/0, include, the sandbox) or never ended
+                raise ConfigError(f"{self._where(index)}: {self.template_name} {e}; fix the row, or the "
+                                  f"template (--chat_template)") from None
             out["input_ids"].append(np.asarray(ids, dtype=np.int64))
             out["trained"].append(np.asarray(trained, dtype=np.int8))  # 1 byte per token in datasets' cache
         return out
@@ -230,8 +229,9 @@ def sft_samples(corpus, fmt: str, tokenizer, seq_len: int, *, dataset: str, spli
         kwargs = {"batched": True, "with_indices": True, "remove_columns": columns}
         if not getattr(corpus, "_ex_iterable", None):  # map-style: multiprocess, progress bar, disk cache
             kwargs.update(num_proc=num_proc, desc="rendering conversations" if template else "tokenizing")
-        tokenized = corpus.map(RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset, column, role_names),
-                               **kwargs)
+        name = f"--chat_template {chat_template}" if chat_template else "the tokenizer's chat template"
+        encoder = RowEncoder(fmt, tokenizer, template, loss, vocab_size, dataset, column, role_names, name)
+        tokenized = corpus.map(encoder, **kwargs)
         fingerprint = getattr(tokenized, "_fingerprint", None) or f"{dataset}:{split}:stream"
         extra = {"sft_format": SFT_FORMAT, "data_format": fmt, "chat_template": template, "loss_on": loss,
                  "messages_column": column, "roles": role_names if fmt != "tokens" else None}

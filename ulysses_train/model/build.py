@@ -121,6 +121,24 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def model_config_values(name: str) -> dict:
+    """The values of --model_config: a preset's, or a JSON file's (a ConfigError naming the flag and the file if it
+    cannot be read or does not hold a JSON object)."""
+    if name in PRESETS:
+        return dict(PRESETS[name])
+    if not os.path.isfile(name):
+        raise ConfigError(f"--model_config {name}: not a preset ({', '.join(PRESETS)}) nor a config.json file")
+    try:
+        with open(name, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--model_config {name} is not a readable JSON file: {type(e).__name__}: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--model_config {name} must hold a JSON object (a config.json), not a "
+                          f"{type(values).__name__}")
+    return values
+
+
 def load_model_config(model: Optional[str], model_config: Optional[str], num_layers: Optional[int] = None):
     """The transformers config of --model, or of --model_config (preset name or JSON path); tiny by default, cut to
     --num_layers. Whatever keeps it from loading is a ConfigError naming the flag."""
@@ -134,16 +152,14 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
             raise ConfigError(f"--model {model}: {str(e).strip()}") from None
     else:
         name = model_config or "tiny"
-        if name in PRESETS:
-            values = dict(PRESETS[name])
-        elif os.path.isfile(name):
-            with open(name) as f:
-                values = json.load(f)
-        else:
-            raise ConfigError(f"--model_config {name}: not a preset ({', '.join(PRESETS)}) nor a config.json file")
+        values = model_config_values(name)
         if "model_type" not in values:
             raise ConfigError(f"--model_config {name}: the config has no model_type")
-        config = AutoConfig.for_model(**values)
+        try:
+            config = AutoConfig.for_model(**values)
+        except (ValueError, TypeError, KeyError) as e:  # an unknown model_type, a value of the wrong type
+            raise ConfigError(f"--model_config {name}: transformers refuses the config: {type(e).__name__}: "
+                              f"{str(e).strip()[:300]}") from None
     if num_layers is not None:
         depth = config.num_hidden_layers
         if not 1 <= num_layers <= depth:  # more layers than the model has would be built and index past its lists

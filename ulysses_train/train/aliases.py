@@ -121,19 +121,19 @@ def check_keys(mapping: dict, flags: Iterable[str], where: str) -> dict:
     that are neither flags nor aliases in one ConfigError, each with the nearest flag; two keys that name one
     flag, another."""
     names = names_of(flags)
-    keys = {str(key).replace("-", "_"): value for key, value in mapping.items()}
-    unknown = [key for key in keys if key not in names or key == "config"]
+    written = [(str(key), str(key).replace("-", "_")) for key in mapping]
+    unknown = [key for _, key in written if key not in names or key == "config"]
     if unknown:
         listed = "; ".join(f"{key} ({_nearest(key, names)})" for key in unknown)
         raise ConfigError(f"{where}: {len(unknown)} unsupported key{'s' * (len(unknown) > 1)}: {listed}")
     by_flag: dict[str, list[str]] = {}
-    for key in keys:
-        by_flag.setdefault(canonical(key), []).append(key)
+    for original, key in written:  # seq-len and seq_len, steps and max_steps: one flag
+        by_flag.setdefault(canonical(key), []).append(original)
     twice = [names for names in by_flag.values() if len(names) > 1]
     if twice:
-        raise ConfigError(f"{where}: " + "; ".join(f"{' and '.join(n)} name the same flag --{canonical(n[0])}"
-                                                   for n in twice) + ": keep one")
-    return keys
+        same = [f"{' and '.join(n)} name the same flag --{canonical(n[0].replace('-', '_'))}" for n in twice]
+        raise ConfigError(f"{where}: " + "; ".join(same) + ": keep one")
+    return {key: value for (_, key), value in zip(written, mapping.values())}
 
 
 def value_words(name: str, value, repeated: bool = False) -> list[str]:
@@ -150,4 +150,4 @@ def value_words(name: str, value, repeated: bool = False) -> list[str]:
         value = json.dumps(value)
     elif isinstance(value, bool):
         value = str(value).lower()
-    return [f"--{name}", str(value)]
+    return [f"--{name}={value}"]  # one word: a value starting with - is not taken for a flag

@@ -10,29 +10,51 @@
        (named with its rank; the traceback goes to <output_dir>/errors/rank_N.txt, and to the terminal with --debug)
   130  Ctrl-C before training started, or a second Ctrl-C
 
-A rank that fails only because a peer stopped talking to it (gloo's "Connection closed by peer", NCCL's remote
-errors) stays quiet: the peer that failed first has said why, and that message stays the last word.
+A rank that fails only because a peer stopped talking to it stays quiet: the peer that failed first has said why,
+and that message stays the last word. Such a failure is recognised by where it came from, a collective (raised in
+torch.distributed, or by the communication backend itself), and by what it says (the peer closed the connection);
+the same words from anything else (a tracker's server refusing the connection) are this rank's own error.
+A message printed by rank 0 for every rank is printed before any rank exits (report.py).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 
+import torch.distributed as dist
+
 from ..errors import CheckpointError, ConfigError
-from .api import run
+from .api import quiet_libraries, run
 from .config import parse_args
 from .faults import Interrupted, NonFiniteError, StopFlag
 from .launcher import exit_now, normalise_launcher_env
+from .report import report_once
 
-# what a rank sees when another rank died or left first: the other rank's own message says why
+# what a collective raises when another rank died or left first: the other rank's own message says why
 PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
                       "NCCL communicator was aborted", "Socket closed", "Connection refused")
+# where collectives raise: torch.distributed's Python code, or the backend's C++ (its message starts with its source
+# file: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", as from Work.wait() of an async op)
+DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
+BACKEND_SOURCE = re.compile(r"^\[[^\]]*(gloo|nccl|c10d|ProcessGroup)[^\]]*\]")
+
+
+def _from_collective(error: BaseException) -> bool:
+    """Whether `error` was raised by a collective (module docstring), not by this rank's own code."""
+    if isinstance(error, dist.DistError):  # c10d's own types (NCCL's remote errors, the store, the network)
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and os.path.abspath(frames[-1].filename).startswith(DISTRIBUTED_DIR):
+        return True
+    return bool(BACKEND_SOURCE.match(str(error)))
 
 
 def _peer_failure(error: BaseException) -> bool:
-    return any(t in str(error) for t in PEER_FAILURE_TEXTS)
+    """This rank's view of another rank's failure: a collective's error saying the peer went away."""
+    return _from_collective(error) and any(t in str(error) for t in PEER_FAILURE_TEXTS)
 
 
 def _interrupted(signal_name: str, rank: int) -> int:
@@ -43,39 +65,41 @@ def _interrupted(signal_name: str, rank: int) -> int:
 
 def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
     text = traceback.format_exc()
+    debug = cfg is not None and cfg.debug
     if _peer_failure(error):  # not the cause: a peer's message says what happened
-        if cfg.debug:
+        if debug:
             print(f"[rank {rank}] stopped: a peer rank went away\n{text}", file=sys.stderr, flush=True)
         return
-    where = os.path.join(cfg.output_dir, "errors", f"rank_{rank}.txt")
+    where = os.path.join(cfg.output_dir, "errors", f"rank_{rank}.txt") if cfg is not None else None
     try:
-        os.makedirs(os.path.dirname(where), exist_ok=True)
-        with open(where, "w") as f:
-            f.write(text)
+        if where:
+            os.makedirs(os.path.dirname(where), exist_ok=True)
+            with open(where, "w") as f:
+                f.write(text)
     except OSError:
         where = None
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    detail = text if cfg.debug else (f"(traceback in {where}; --debug prints it)" if where else "(--debug prints "
-                                                                                               "the traceback)")
+    detail = text if debug else (f"(traceback in {where}; --debug prints it)" if where else f"\n{text}")
     print(f"error: rank {rank} failed: {type(error).__name__}: {first} {detail}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     """Runs the trainer (the Python API's `run`); never returns (see the exit codes above)."""
-    cfg, explicit = parse_args(argv)
+    quiet_libraries()
     normalise_launcher_env()
-    rank = int(os.environ.get("RANK", 0))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cfg = None
     try:
+        cfg, explicit = parse_args(argv)
         result = run(cfg, explicit)
         code = 1 if result.verify is not None and not result.verify["passed"] else 0
-    except ConfigError as e:
-        # every rank hits the same check; one message is enough, every rank exits non-zero
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except SystemExit as e:  # --help
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except ConfigError as e:  # every rank hits the same check: one message, printed before any rank exits
+        report_once(f"error: {e}", rank, world)
         code = 2
     except (NonFiniteError, CheckpointError) as e:  # raised on every rank together
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_once(f"error: {e}", rank, world)
         code = 3
     except Interrupted as e:
         code = _interrupted(e.signal_name, rank)

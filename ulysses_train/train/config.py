@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -430,13 +431,16 @@ def _str2bool(value: str) -> bool:
 class _Parser(argparse.ArgumentParser):
     """The flags' parser; with `raise_errors` (the Python API) a bad flag or value is a ConfigError, not an exit."""
 
+    hint = ""  # said after an error's message (the command line's: where the flags are listed)
+
     def __init__(self, *args, raise_errors: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.raise_errors = raise_errors
 
     def error(self, message: str):
+        message = re.sub(r"^argument (--\w+)(/--[\w-]+)+:", r"argument \1:", message)  # the flag, not its aliases
         if self.raise_errors:
-            raise ConfigError(message)
+            raise ConfigError(message + self.hint)
         super().error(message)
 
     def parse_sources(self, sources: list[list[str]]) -> argparse.Namespace:
@@ -537,12 +541,14 @@ def build_parser(raise_errors: bool = False) -> _Parser:
     return parser
 
 
-def write_resolved_config(cfg: TrainConfig) -> str:
+def write_resolved_config(cfg: TrainConfig, folder: Optional[str] = None) -> str:
     """Every setting of the run, defaults included, by its canonical name, as a file `--config` reads back:
-    `<output_dir>/config.yaml` (checkpoints hold the same in trainer_state.json)."""
+    `<folder>/config.yaml`, by default `<output_dir>/config.yaml` (checkpoints hold the same in trainer_state.json)."""
     import yaml
 
-    path = os.path.join(cfg.output_dir, "config.yaml")
+    folder = folder or cfg.output_dir
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.yaml")
     values = {k: v for k, v in cfg.to_dict().items() if k not in ("config", "resume", "overwrite_output_dir")}
     with open(path, "w") as f:
         yaml.safe_dump(values, f, sort_keys=False)
@@ -553,32 +559,48 @@ def _flag_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
+# keys a file or a dict cannot set: they are not training settings
+NOT_SETTINGS = ("config", "help", "h", "local_rank")
+
+
 def mapping_words(values: dict, where: str) -> list[str]:
     """A mapping of flags (or their aliases) to values as command-line words, every key checked first (all the
-    unknown ones named at once: aliases.check_keys)."""
+    unknown ones named at once: aliases.check_keys) and then each value as its flag's parser takes it, so that a
+    wrong value is named by `where` and its key."""
+    for key in values:
+        if str(key).replace("-", "_") in NOT_SETTINGS:
+            raise ConfigError(f"{where}: {key!r} cannot be set in a config file (it holds training settings; "
+                              f"python launch/train.py --help prints them)")
     repeated = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("repeated")}
+    checker = build_parser(raise_errors=True)
     words = []
     for key, value in aliases.check_keys(values, _flag_names(), where).items():
-        words += aliases.value_words(key, value, repeated=aliases.canonical(key) in repeated)
+        many = aliases.canonical(key) in repeated
+        _refuse_nesting(where, key, value, many)
+        these = aliases.value_words(key, value, repeated=many)
+        try:
+            checker.parse_args(these, argparse.Namespace())
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {key}: {re.sub(r'^argument [^:]+: ', '', str(e))}") from None
+        words += these
     return words
+
+
+def _refuse_nesting(where: str, key: str, value, repeated: bool) -> None:
+    """A value is a scalar or a list of scalars; a mixture's entries (--dataset, `repeated`) may also be mappings."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, (list, tuple)) or (isinstance(item, dict) and not repeated):
+            raise ConfigError(f"{where}: {key}: give a value or a list of values, not a nested "
+                              f"{'mapping' if isinstance(item, dict) else 'list'}")
 
 
 def config_file_words(path: str) -> list[str]:
     """The flags of a YAML file (`--config FILE`) as command-line words: every value passes the same parsing and
-    checks as a typed flag, and counts as given explicitly. A ConfigError for a file that cannot be read, is not
-    a mapping, or has keys that are not flags."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
-    return mapping_words(values, f"--config {path}")
+    checks as a typed flag, and counts as given explicitly. The file is read as strictly as the DeepSpeed JSON: a
+    key given twice, a YAML alias (`*name`: a few hundred bytes of them expand to gigabytes), a nested value, a key
+    that is no flag (all of them named at once), or a value its flag does not take is a ConfigError naming the file
+    and the key."""
+    return mapping_words(_read_config_file(path), f"--config {path}")
 
 
 def _parse(parser: _Parser, sources: list[list[str]]) -> tuple[TrainConfig, set[str]]:
@@ -587,18 +609,52 @@ def _parse(parser: _Parser, sources: list[list[str]]) -> tuple[TrainConfig, set[
     return dataclasses.replace(TrainConfig(), **{name: given[name] for name in explicit}), explicit
 
 
+def _read_config_file(path: str) -> dict:
+    """The mapping of a --config YAML file, refusing what safe_load lets through: a key given twice, an alias."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError(f"--config {path}: line {event.start_mark.line + 1}: the alias *{event.anchor} is "
+                                  f"not allowed (write the value out)")
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise ConfigError(f"--config {path}: the key {key!r} appears twice (lines {seen[key]} and "
+                                      f"{key_node.start_mark.line + 1}); keep one")
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.load(f, Loader=StrictLoader)  # noqa: S506 - a SafeLoader, stricter
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of flag names to values")
+    return values
+
+
 def parse_args(argv=None) -> tuple[TrainConfig, set[str]]:
     """The command line (with `--config FILE` read first, so the typed flags win). Returns the config and the set of
     flags given explicitly, typed or in the file (they must then agree with the DS JSON)."""
-    parser = build_parser()
+    parser = build_parser(raise_errors=True)  # a mistyped flag or value: one message, printed once by the CLI
+    parser.hint = " (python launch/train.py --help lists the flags)"
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     path = pre.parse_known_args(argv)[0].config
-    try:
-        sources = [config_file_words(path)] if path else []
-    except ConfigError as e:
-        parser.error(str(e))
+    sources = [config_file_words(path)] if path else []
     return _parse(parser, sources + [argv])
 
 

@@ -58,10 +58,24 @@ def _normalise(environ) -> str:
     return "single process"
 
 
+_AT_EXIT: list = []
+
+
+def at_exit(callback) -> None:
+    """`callback()` runs when exit_now ends the process, however the run ends (a lock's release: run_lock.py)."""
+    _AT_EXIT.append(callback)
+
+
 def exit_now(code: int) -> None:
     """Ends the process without the interpreter's teardown of the process groups: gloo's teardown of sub-groups now
     and then aborts a process that has finished its work ("terminate called without an active exception"), which
-    would turn a clean exit into SIGABRT. Everything we write is closed and flushed before this point."""
+    would turn a clean exit into SIGABRT. Everything we write is closed and flushed before this point; what at_exit
+    registered runs first."""
+    for callback in _AT_EXIT:
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - leaving anyway; the kernel drops what is left (a lock's flock)
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

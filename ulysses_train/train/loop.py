@@ -17,7 +17,6 @@ from .memory_profile import ProfileFirstSteps
 from .evaluate import evaluate
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 from .shards import shard_batch
-from .tracking import parse_report_to
 
 
 def step_counts(run, batches: list[dict]) -> torch.Tensor:
@@ -106,10 +105,11 @@ def train(run) -> list[dict]:
     cfg, history, stop = run.cfg, [], run.stop
     stop.armed = True
     if stop.agreed(run.device):  # stopped while starting up (the launcher went away): nothing trained, nothing to save
+        if run.trackers is not None:
+            run.trackers.close()
         return history
-    trackers = parse_report_to(cfg.report_to, cfg.tensorboard)
-    with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, trackers, cfg.log_every, run.start_step,
-                       cfg.to_dict(), cfg.progress) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
+    with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, run.trackers, cfg.log_every, run.start_step,
+                       cfg.progress) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
         for step in range(run.start_step + 1, cfg.steps + 1):
             inject_at_step(step, run.rank, stop)
             profile.before_step(step)

@@ -102,6 +102,9 @@ def damage(folder: str) -> Optional[str]:
     same_scheme = content.get("hash") == HASH_SCHEME  # another version's hashes: sizes are still checked
     for name, expected in files.items():
         path = os.path.join(folder, name)
+        outside = _outside(folder, name)
+        if outside:
+            return outside
         if not os.path.isfile(path):
             return f"{name} is missing"
         size = os.path.getsize(path)
@@ -109,6 +112,18 @@ def damage(folder: str) -> Optional[str]:
             return f"{name} has {size} bytes, the manifest says {expected['size']} (truncated or overwritten)"
         if same_scheme and file_digest(path) != expected["blake2b"]:
             return f"{name} does not match its hash in the manifest"
+    return None
+
+
+def _outside(folder: str, name: str) -> Optional[str]:
+    """Why the manifest entry `name` is not a file inside the checkpoint `folder`, or None. A manifest names files
+    by their paths under the folder; an absolute path, a `..`, or a file that is a link out of the folder would have
+    the check read (and hash) files anywhere."""
+    if not isinstance(name, str) or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        return f"{MANIFEST} names {name!r}, a path outside the checkpoint folder"
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, os.path.realpath(os.path.join(folder, name))]) != root:
+        return f"{name} is a link to {os.path.realpath(os.path.join(folder, name))}, outside the checkpoint folder"
     return None
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import resource
 import sys
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -94,10 +94,13 @@ def _pairs(record: dict) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers: Sequence[str] = (),
-                 log_every: int = 1, start_step: int = 0, config: Optional[dict] = None, progress: str = "auto"):
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers=None, log_every: int = 1,
+                 start_step: int = 0, progress: str = "auto"):
+        """`trackers`: the run's started tracking.Trackers (or None); the logger sends them every record and closes
+        them with itself. `progress`: --progress (progress_mode)."""
         self.enabled, self.log_every, self.progress = enabled, log_every, progress_mode(progress)
-        self.bar = self.file = self.trackers = None
+        self.bar = self.file = None
+        self.trackers = trackers
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -109,10 +112,6 @@ class MetricsLogger:
         self.file = open(path, "a" if start_step else "w")
         if self.progress == "bar":
             self.bar = progress_bar(total_steps, start_step)
-        if trackers:
-            from .tracking import Trackers
-
-            self.trackers = Trackers(list(trackers), output_dir, config or {}, resuming=start_step > 0)
 
     def __enter__(self) -> "MetricsLogger":
         return self

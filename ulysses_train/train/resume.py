@@ -52,15 +52,33 @@ class ResumePlan:
 def training_settings(cfg: TrainConfig, resolved: dict) -> dict:
     """The settings that alter what is trained, as this run resolves them. Flags with derived defaults (lr, micro
     batch, accumulation, clipping, dtype) take their resolved values, so that `--lr 1e-3` over a run that defaulted
-    to 1e-3 is no change; ds_config is the JSON's content, so a moved file with the same content is none either."""
+    to 1e-3 is no change; ds_config and a model_config file are their JSON content, so that a moved file with the
+    same content is no change either, and a file edited in place is one."""
     settings = {name: value for name, value in cfg.to_dict().items() if name not in FREE_SETTINGS}
     return settings | resolved
 
 
+CONTENT_SETTINGS = ("ds_config", "model_config")  # compared by their files' content, named by their paths
+
+
 def _show(name: str, value, config: dict) -> str:
-    if name == "ds_config":  # the content differs; show the paths
-        return str(config.get("ds_config"))
+    if name in CONTENT_SETTINGS and isinstance(value, dict):  # the content differs; show the path
+        return str(config.get(name))
     return str(value)
+
+
+def _describe(name: str, old, new, old_config: dict, new_config: dict) -> str:
+    before, after = _show(name, old, old_config), _show(name, new, new_config)
+    if before == after and name in CONTENT_SETTINGS:
+        return f"{name} {after} (its content differs from the checkpoint's: edited since?)"
+    return f"{name} {before} -> {after}"
+
+
+def _same(name: str, old, new, new_config: dict) -> bool:
+    """A checkpoint saved before model_config was compared by content holds its path: compared as a path."""
+    if name == "model_config" and isinstance(old, (str, type(None))) and isinstance(new, dict):
+        return old == new_config.get("model_config")
+    return old == new
 
 
 def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: str) -> tuple[dict, list[str]]:
@@ -72,9 +90,8 @@ def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: 
     else:  # saved before resolved settings were: compare the flags as typed
         old = {name: old_config[name] for name in settings if name in old_config}
         new = {name: new_config[name] for name in old}
-    changed = sorted(name for name in new if name in old and old[name] != new[name])
-    describe = {name: f"{name} {_show(name, old[name], old_config)} -> {_show(name, new[name], new_config)}"
-                for name in changed}
+    changed = sorted(name for name in new if name in old and not _same(name, old[name], new[name], new_config))
+    describe = {name: _describe(name, old[name], new[name], old_config, new_config) for name in changed}
     overrides = cfg.overrides()
     refused = [name for name in changed if name not in overrides]
     if refused:

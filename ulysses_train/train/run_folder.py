@@ -20,8 +20,8 @@ import tempfile
 from typing import Callable, Optional
 
 from ..errors import ConfigError
-from .checkpoint import (LATEST, STEP_PREFIX, checkpoint_name, checkpoint_step, checkpoints_dir, newest_complete,
-                         write_text_atomically)
+from .checkpoint import (LATEST, STEP_PREFIX, checkpoint_name, checkpoint_step, checkpoints_dir, folder_step,
+                         newest_complete, state_step, write_text_atomically)
 
 ABANDONED = "abandoned"
 METRICS = "metrics.jsonl"
@@ -88,11 +88,11 @@ def claim_for_fresh_run(output_dir: str, overwrite: bool, log: Callable[[str], N
 def abandon_newer(output_dir: str, resumed: str, log: Callable[[str], None]) -> Optional[str]:
     """Moves the checkpoints after `resumed`'s step aside (with a copy of the metrics) and points `latest` at it;
     returns the folder they went to, or None if there were none."""
-    step = checkpoint_step(resumed)
-    newer = [n for n in _step_folders(output_dir) if checkpoint_step(n) > step]
+    step = state_step(resumed)  # its name may say nothing (best/)
+    root = checkpoints_dir(output_dir)
+    newer = [n for n in _step_folders(output_dir) if folder_step(os.path.join(root, n)) > step]
     if not newer:
         return None
-    root = checkpoints_dir(output_dir)
     aside = base = os.path.join(root, ABANDONED, f"rollback_to_{checkpoint_name(step)}")
     copies = 1
     while os.path.exists(aside):

@@ -3,6 +3,8 @@
 Two runs writing into one folder replace each other's metrics and checkpoints (and, resumed, continue the wrong
 run). The lock is `fcntl.flock`: the kernel drops it when its process ends however it ends, so a lock left by a
 dead process is free, and its holder file (host, pid, start time, command) only tells the next run whose it was.
+A run that ends through launcher.exit_now (done, a setting to change, an error, a signal) empties the holder file
+first, so only a process that was killed leaves it filled, and the next run's "took over" warning means that.
 On a network file system flock works across hosts where the server supports it (NFSv4 does); it is advisory, so it
 protects runs of this trainer from each other, nothing more.
 """
@@ -18,6 +20,7 @@ import time
 from typing import Optional
 
 from ..errors import ConfigError
+from .launcher import at_exit
 from .run_folder import check_writable
 
 LOCK_NAME = ".lock"
@@ -51,6 +54,7 @@ class RunLock:
             "%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}).encode(), 0)
         os.fsync(fd)
         self.fd = fd
+        at_exit(self.release)
         if previous != "unknown run":
             return f"took over {self.path} from a run that did not end cleanly ({previous})"
         return None

@@ -12,6 +12,11 @@ Each works without a network, into the output folder, unless the user points it 
 A resumed run continues the same wandb and MLflow runs: their ids are kept in `<output_dir>/trackers.json`. The
 packages come with the `[track]` extra (`pip install -e ".[track]"`); a tracker named without its package is a
 setting to change, said before any work.
+
+The trackers start before the model is built (`start_trackers`, on rank 0, its outcome told to every rank), each
+within START_TIMEOUT_S: a tracker that cannot write its folder, or a server that refuses the connection or does
+not answer (MLflow retries for minutes by default), stops the run at once with one message naming --report_to and
+where it was writing to, instead of failing after the model is built, or being taken for another rank's failure.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ import json
 import os
 from typing import Optional
 
+import torch.distributed as dist
+
+from ..deadline import DeadlineExceeded, deadline
 from ..errors import ConfigError
 
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 PROJECT = "ulysses-train"
+START_TIMEOUT_S = 90.0  # as long as wandb.init waits for its own service by default
 
 
 def parse_report_to(value: str, tensorboard_flag: bool = False) -> list[str]:
@@ -46,7 +55,8 @@ def parse_report_to(value: str, tensorboard_flag: bool = False) -> list[str]:
 
 
 class Trackers:
-    """The chosen trackers of one run; `log(metrics, step, prefix)` sends every number to each."""
+    """The chosen trackers of one run; `log(metrics, step, prefix)` sends every number to each. Starting one that
+    fails (or runs past START_TIMEOUT_S) raises a ConfigError naming --report_to and where it writes."""
 
     def __init__(self, names: list[str], output_dir: str, config: dict, resuming: bool):
         self.names, self.output_dir = names, output_dir
@@ -54,16 +64,42 @@ class Trackers:
         ids = self._saved_ids() if resuming else {}
         self.tb = self.wandb_run = self.mlflow = None
         if "tensorboard" in names:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            self.tb = self._start("tensorboard", self._start_tensorboard)
         if "wandb" in names:
-            ids["wandb"] = self._start_wandb(config, ids.get("wandb"))
+            ids["wandb"] = self._start("wandb", lambda: self._start_wandb(config, ids.get("wandb")))
         if "mlflow" in names:
-            ids["mlflow"] = self._start_mlflow(config, ids.get("mlflow"))
+            ids["mlflow"] = self._start("mlflow", lambda: self._start_mlflow(config, ids.get("mlflow")))
         if ids:
             with open(self.ids_path, "w") as f:
                 json.dump(ids, f)
+
+    def _start(self, name: str, start):
+        try:
+            with deadline(START_TIMEOUT_S):
+                return start()
+        except DeadlineExceeded:
+            problem = f"no answer within {START_TIMEOUT_S:g} s"
+        except Exception as e:  # noqa: BLE001 - each tracker's own errors (connection, permissions, its server)
+            problem = _root_cause(e)
+        self.close()  # the trackers started before this one
+        raise ConfigError(f"--report_to {name}: the tracker does not start, writing to {self._destination(name)} "
+                          f"({problem}): {FIXES[name]}, or leave {name} out of --report_to")
+
+    def _destination(self, name: str) -> str:
+        if name == "tensorboard":
+            return os.path.join(self.output_dir, "tensorboard")
+        if name == "mlflow":
+            uri = os.environ.get("MLFLOW_TRACKING_URI")
+            return f"MLFLOW_TRACKING_URI={uri}" if uri else os.path.join(self.output_dir, "mlruns")
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        where = os.environ.get("WANDB_BASE_URL", "its server") if mode == "online" else \
+            os.path.join(self.output_dir, "wandb")
+        return f"{where} (WANDB_MODE {mode})"
+
+    def _start_tensorboard(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
 
     def _saved_ids(self) -> dict:
         try:
@@ -113,3 +149,39 @@ class Trackers:
             self.wandb_run.finish()
         if self.mlflow is not None:
             self.mlflow.end_run()
+        self.tb = self.wandb_run = self.mlflow = None
+
+
+def _root_cause(error: BaseException) -> str:
+    """The error and, when it wraps others (MLflow wraps requests' wrapping of urllib3's), the one at the bottom:
+    `MlflowException: ... ... caused by ConnectionRefusedError: [Errno 111] Connection refused`."""
+    def line(e):
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+    root, seen = error, {id(error)}
+    while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in seen:
+        root = root.__cause__ or root.__context__
+        seen.add(id(root))
+    return line(error) + (f" ... caused by {line(root)}" if root is not error else "")
+
+
+FIXES = {"tensorboard": "make the folder writable or choose another --output_dir",
+         "wandb": "check WANDB_MODE, WANDB_API_KEY and the network (WANDB_MODE=offline writes to files)",
+         "mlflow": "start the server or point MLFLOW_TRACKING_URI at one that answers (unset, MLflow writes to files)"}
+
+
+def start_trackers(cfg, resuming: bool, rank: int) -> Optional[Trackers]:
+    """Collective: rank 0 starts the trackers of --report_to (None on the other ranks, and when there are none);
+    a tracker that does not start is a ConfigError on every rank (module docstring)."""
+    names = parse_report_to(cfg.report_to, cfg.tensorboard)
+    trackers, error = None, [None]
+    if rank == 0 and names:
+        try:  # (the output folder exists: the run's lock is in it)
+            trackers = Trackers(names, cfg.output_dir, cfg.to_dict(), resuming)
+        except ConfigError as e:
+            error[0] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise ConfigError(error[0])
+    return trackers

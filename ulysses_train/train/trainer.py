@@ -33,7 +33,7 @@ from ..levers.preference_loss import PreferenceLMWithSPLoss
 from ..levers.rope import configure_rope
 from ..model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
 from ..model.buffers import restore_fp32_buffers
-from ..model.build import attention_heads, build_model, load_model_config
+from ..model.build import attention_heads, build_model, load_model_config, model_config_values
 from ..model.geometry import geometry
 from ..model.surgery import apply_levers, apply_sp_patches
 from ..sp import dims
@@ -41,7 +41,8 @@ from ..sp.attention import register_ulysses_attention
 from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_size
 from ..sp.kernels import resolve_kernel
 from ..sp.support import check_support, describe_layers
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, newest_complete, save_checkpoint
+from .disk_space import checkpoint_bytes, estimated_checkpoint_bytes, too_little_space
 from .config import TrainConfig, ring_size_number, write_resolved_config
 from .resume import apply_optimizer_settings, apply_schedule, plan_run, training_settings
 from .run_folder import abandon_newer
@@ -54,6 +55,7 @@ from .preflight import preflight
 from .run_lock import RunLock
 from .schedule import lr_factor, warmup_steps
 from .teardown import destroy_process_groups, release_engine
+from .tracking import start_trackers
 from .watchdog import Watchdog
 
 
@@ -70,6 +72,11 @@ def _init_distributed(backend: str) -> bool:
                           f"in use (another run on this host?): give the launcher another port (deepspeed "
                           f"--master_port N, torchrun --master_port N) or set MASTER_PORT") from None
     return created
+
+
+def verify_folder(cfg: TrainConfig) -> str:
+    """Where --verify writes (its report and settings): `<output_dir>/verify/`, beside a training run's files."""
+    return os.path.join(cfg.output_dir, "verify")
 
 
 def verify_seq_len(cfg: TrainConfig) -> int:
@@ -174,13 +181,18 @@ class Trainer:
             raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
         self.lr = resolved_lr(self.ds, cfg, cfg.model is None)
         self.checkpoint = None  # the newest of this run: resumed from, then each save
+        self.trackers = None
         # --epochs: the steps, a training setting, are known once the data is
         steps_from_epochs = cfg.epochs is not None and "steps" not in explicit
 
-        def plan() -> None:  # before the data and the model: a run that cannot write, or must not start, stops in
-            self.settings = self._training_settings(raw_ds, use_bf16)  # seconds (with --epochs, after the data)
+        def plan() -> None:  # before the model: a run that cannot write, or must not start, stops in seconds
+            self.settings = self._training_settings(raw_ds, use_bf16)  # (with --epochs, after the data)
             self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds,
                                  self.rank, self.log, self.warn)
+            # --report_to's trackers started (a server that refuses or does not answer named) before the model
+            self.trackers = None if cfg.verify else start_trackers(cfg, self.plan.checkpoint is not None, self.rank)
+            if self.trackers is not None:
+                self.resources.callback(self.trackers.close)  # a run that stops before its logger closes them
         if not steps_from_epochs:
             plan()
 
@@ -221,8 +233,10 @@ class Trainer:
                  f"{self.model_config.num_hidden_layers} layers ({describe_layers(self.layers)}) | "
                  f"{self.describe_levers()} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
-        if self.rank == 0:
-            write_resolved_config(cfg)
+        if self.rank == 0 and not cfg.verify and (cfg.save_steps or cfg.save_final):
+            self._warn_if_a_checkpoint_does_not_fit()
+        if self.rank == 0:  # --verify leaves a training folder's own files alone: its outputs go to verify/
+            write_resolved_config(cfg, verify_folder(cfg) if cfg.verify else None)
 
     # ---------------------------------------------------------------- building
 
@@ -231,7 +245,8 @@ class Trainer:
         return training_settings(self.cfg, {
             "lr": self.lr, "micro_batch_size": self.micro, "grad_accum": self.accum,
             "max_grad_norm": self.ds["gradient_clipping"], "dtype": "bf16" if use_bf16 else "fp32",
-            "ds_config": raw_ds})
+            "ds_config": raw_ds, "model_config": model_config_values(self.cfg.model_config)
+            if self.cfg.model_config else None})
 
     def _steps_of_epochs(self, dp_size: int) -> int:
         """--epochs passes over the training samples, in optimizer steps (the last one may be partial)."""
@@ -392,7 +407,23 @@ class Trainer:
                                base_model=self.cfg.model)
         self.log(f"saved checkpoint {path}")
         self.checkpoint = path
+        if self.rank == 0 and step < self.cfg.steps:
+            problem = too_little_space(os.path.dirname(path), checkpoint_bytes(path), f"the size of {path}")
+            if problem:
+                self.warn(f"the next save will fail: {problem}")
         return path
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def _warn_if_a_checkpoint_does_not_fit(self) -> None:
+        """Before training: the first save's room, against the newest checkpoint's size or else an estimate."""
+        root = os.path.join(self.cfg.output_dir, "checkpoints")
+        previous = newest_complete(self.cfg.output_dir)
+        need, what = checkpoint_bytes(previous), f"the size of {previous}"
+        if need is None:
+            parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
+            need, what = estimated_checkpoint_bytes(parameters, self.dtype.itemsize), "estimated"
+        problem = too_little_space(root, need, what)
+        if problem:
+            self.warn(f"the first save will fail: {problem}")

@@ -38,6 +38,7 @@ from ..data.sources import trainable_tokens
 from ..errors import ConfigError
 from .faults import NonFiniteError
 from .loop import accumulate
+from .trainer import verify_folder
 from .verify_reference import reference_step, supports_sdpa
 
 BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
@@ -263,8 +264,8 @@ def run_verify(trainer) -> dict:
                   "seconds": {"ours": ours_s, "reference": time.perf_counter() - start - ours_s},
                   "failed": failed, "passed": not failed}
         print(format_report(result), flush=True)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, "verify.json"), "w") as f:
+        os.makedirs(verify_folder(cfg), exist_ok=True)
+        with open(os.path.join(verify_folder(cfg), "verify.json"), "w") as f:
             json.dump(result, f, indent=1)
         shared = [result]
     dist.broadcast_object_list(shared, src=0)

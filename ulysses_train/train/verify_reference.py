@@ -59,7 +59,7 @@ def supports_sdpa(model_config) -> bool:
     """Whether transformers runs this family with SDPA (the families whose attention SDPA cannot express do not)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)], "supports_sdpa", True)
+    return getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)], "_supports_sdpa", True)
 
 
 def reference_model(model_config, weights: dict, dtype: torch.dtype, device: torch.device, adapters=None,
