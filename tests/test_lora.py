@@ -355,7 +355,7 @@ def test_lora_in_bf16_on_cuda_is_as_exact_as_transformers_and_peft(tmp_path, qua
     proc = run([sys.executable], ["--verify", "--model", str(folder), "--tokenizer", "bytes", "--use_peft",
                                   "--lora_modules_to_save", "norm", "--seq_len", "4096", "--offload_activations"]
                + (["--load_in_4bit"] if quantized else []), tmp_path / "out", expect_ok=False)
-    result = json.loads((tmp_path / "out" / "verify.json").read_text())
+    result = json.loads((tmp_path / "out" / "verify" / "verify.json").read_text())
     assert result["dtype"] == "bfloat16" and result["peft_version"] and not result["buffer_mismatches"], result
     assert result["passed"] and proc.returncode == 0, proc.stdout[-3000:]
 
