@@ -43,7 +43,9 @@ def _default_and_help(action: argparse.Action) -> tuple[str, str]:
     if stated in (None, "None"):
         return "none", help_text
     stated = {"True": "true", "False": "false"}.get(stated, stated)
-    return stated.replace(os.path.expanduser("~"), "~"), help_text  # the same page on every machine
+    stated = stated.replace(ROOT + os.sep, "")  # the same page on every machine: the repository's files relative,
+    home = os.path.expanduser("~")
+    return (stated.replace(home, "~") if len(home) > 1 else stated), help_text  # the home folder as ~
 
 
 def _takes(action: argparse.Action) -> str:
