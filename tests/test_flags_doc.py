@@ -35,11 +35,13 @@ def test_a_section_per_argument_group_with_aliases_types_defaults_and_help():
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--lr", "--learning_rate", type=float, help="Peak rate | per step. (default: 0.001)")
     optim.add_argument("--lr_scheduler_type", choices=("cosine", "linear"), help="Schedule. (default: cosine)")
+    optim.add_argument("--warmup_steps", type=int, help="Warmup. Default: 10%% of --steps. (default: None)")
     optim.add_argument("--hidden", help=argparse.SUPPRESS)
     page = flags_doc.render(parser)
     assert page.index("## Model\n\nWhat is trained.") < page.index("## Optimisation")
     assert "| `--model` | `--model_name_or_path` | str | none | A hub id. |" in page
     assert "| `--lr` | `--learning_rate` | float | 0.001 | Peak rate \\| per step. |" in page
     assert "| `--lr_scheduler_type` |  | `cosine`, `linear` | cosine | Schedule. |" in page
+    assert "| `--warmup_steps` |  | int | 10% of --steps | Warmup. |" in page  # a default said in words
     assert "--hidden" not in page and "## Options" not in page  # argparse's own, empty, group is left out
     assert "bf16" in BY_NAME and "| `--bf16` | transformers | `--dtype` |" in page  # the aliases table

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAGE = os.path.join(ROOT, "docs", "flags.md")
 COMMAND = "python -m ulysses_train.tools.flags_doc"
 _DEFAULT = re.compile(r"\s*\(default: (.*)\)\s*$", re.S)
+_TOLD = re.compile(r"\s*Default: (.+?)\.(?=\s|$)")
 _ALSO = re.compile(r"\s*Also --[\w, -]+\.(?=\s*(\(default:|$))")  # the aliases, which have their own column
 
 
@@ -40,6 +41,10 @@ def _default_and_help(action: argparse.Action) -> tuple[str, str]:
     held = action.default
     if held is not argparse.SUPPRESS and held is not None:
         stated = str(held)
+    help_text = help_text.replace("%%", "%")  # argparse's escape, printed as % by --help
+    told = _TOLD.search(help_text)
+    if stated in (None, "None") and told:  # a default that depends on the run, said in words: "Default: X."
+        stated, help_text = told.group(1), (help_text[:told.start()] + help_text[told.end():]).strip()
     if stated in (None, "None"):
         return "none", help_text
     stated = {"True": "true", "False": "false"}.get(stated, stated)
