@@ -1,6 +1,6 @@
 """Training from Python, as a notebook would: a TRL-style configuration with an evaluation, a second run on a
 mixture of two datasets (one of them ShareGPT's layout) with another learning rate, and an error caught, all in one
-interpreter (README: "The Python API").
+interpreter (docs/python-api.md).
 
     python examples/python_api.py --out /tmp/api_example
 

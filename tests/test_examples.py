@@ -1,6 +1,6 @@
-"""examples/needle.py, the README's worked SFT example: its conversations hold the code in the first tenth of the
+"""examples/needle.py, the worked SFT example of docs/needle.md: its conversations hold the code in the first tenth of the
 document, train and eval codes differ, and the trainer reads the rows as messages whose trained tokens are the
-assistant's answer (through examples/chatml.jinja and the byte tokenizer, as the README's command runs it)."""
+assistant's answer (through examples/chatml.jinja and the byte tokenizer, as that page's command runs it)."""
 
 import json
 import os

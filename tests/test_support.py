@@ -1,6 +1,6 @@
 """The support check (sp/support.py): every family the trainer runs is listed with what it can do, and every run
 that would not be exact is refused before anything is built, with a message naming the layer type and what would
-work. The README's table of supported models is the check's own, so it cannot drift."""
+work. The table of supported models in docs/models.md is the check's own, so it cannot drift."""
 
 import os
 import subprocess
@@ -58,9 +58,13 @@ def test_the_table_says_what_the_check_does(model_type):
             assert "--attn_kernel" in _refused(config, kernel=kernel, device_type="cuda")
 
 
-def test_the_readme_table_is_the_checks_own():
+def test_the_models_page_table_is_the_checks_own_and_the_readme_names_every_family():
+    page = open(os.path.join(ROOT, "docs", "models.md")).read()
+    assert supported_models_table() in page, "regenerate the table of docs/models.md: python -m ulysses_train.sp.support"
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert supported_models_table() in readme, "regenerate the README's table: python -m ulysses_train.sp.support"
+    listed = readme[readme.index("## Supported models"):].split("\n## ", 1)[0]
+    missing = [model_type for model_type in FAMILIES if f"`{model_type}`" not in listed]
+    assert not missing, f"families missing from the README's supported models: {missing}"
 
 
 def test_deltanet_layers_of_a_family_without_the_sp_mixer_are_refused_with_their_count_and_what_works():

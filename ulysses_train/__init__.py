@@ -1,7 +1,7 @@
 """ulysses-train: long-context fine-tuning of Hugging Face causal LMs with Ulysses sequence parallelism on DeepSpeed.
 
     from ulysses_train import TrainConfig, train
-    result = train("run.yaml", learning_rate=1e-4)   # in this process (train/api.py); see README: Python API
+    result = train("run.yaml", learning_rate=1e-4)   # in this process (train/api.py); see docs/python-api.md
 
 `ulysses_train.train` is that function; the package of the same name is imported by its modules' full names
 (`from ulysses_train.train.config import ...`).

@@ -2,7 +2,7 @@
 
 Selective checkpointing that saves the attention kernel's outputs (the output and its log-sum-exp) in the forward,
 so the recompute before a layer's backward re-runs everything except the kernel, the most expensive op at long
-context (~22% of a step at 64k+). Costs `layers x (s/sp) x hidden x 2 bytes` of memory; with the host offload
+context (what keeping them saves: docs/benchmarks.md, "What each lever buys"). Costs `layers x (s/sp) x hidden x 2 bytes` of memory; with the host offload
 (offload.py) the kept outputs go to the host with the checkpoints. model/surgery.py installs the function on the
 model's layers.
 """

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the per-token elementwise work of a decoder layer (`--fused_kernels`).
 
-Why our own: the profile of a 64k-token Qwen3-4B step on the H200 without them (docs/benchmarks.md) puts
-2.7 s of its 12.6 s in small unfused elementwise kernels, most of them from two places:
+Why our own: without them a long-context step spends seconds in small unfused elementwise kernels (measured in
+docs/benchmarks.md, "Our fused kernels against the ops they replace"), most of them from three places:
 
 - the RMSNorms (four per Qwen3 layer: before attention and MLP, and per head on q and k), which upcast, square,
   average, scale, downcast and multiply by the weight in seven kernels each way, several of them non-vectorised
@@ -20,16 +20,15 @@ direction that reads its input once and writes its output once:
   projection's (b, s, h, d) memory), writing the output in that same layout, so the attention's transpose back to
   (b, s, h, d) is free. The backward is the same kernel with the rotation reversed; only cos and sin are saved.
 - `SiLUMulFunction`: the SwiGLU MLP's silu(gate) * up in one pass each way, saving gate and up (autograd's version
-  also saves silu(gate): one seq x intermediate tensor less in the recomputed layer, 1.2 GiB at 64k for Qwen3-4B).
+  also saves silu(gate): one seq x intermediate tensor less in the recomputed layer).
 
-Liger-Kernel ships similar kernels (benchmarks/kernel_bench.py, forward+backward on the H200 at 64k tokens): our
-norms and SwiGLU are faster (RMSNorm on hidden rows 0.94 against 1.28 ms, on q heads 1.35 against 2.31 ms, SwiGLU
-2.56 against 2.85 ms); Liger's rotary is 9% faster (1.77 against 1.94 ms for q and k) but rounds each product to
-the bf16 of cos and sin, where ours computes in fp32 and rounds once. Ours keep lean_norm's saving and layout rules,
+Liger-Kernel ships similar kernels (benchmarks/kernel_bench.py; the comparison is in docs/benchmarks.md, "Kernels:
+ours against Liger-Kernel and eager PyTorch"): Liger's rotary rounds each product to the bf16 of cos and sin, where
+ours computes in fp32 and rounds once. Ours keep lean_norm's saving and layout rules,
 stay within the ops the trainer already patches, and run on the CPU through Triton's interpreter (TRITON_INTERPRET=1), where the tests compare them with
 transformers' own functions, forward and backward. Liger's fused linear cross-entropy, faster than our loss, is
-the default loss on CUDA (levers/loss.py). Triton is imported only when a kernel first runs.
-Measured on the H200 (docs/benchmarks.md): the 64k step takes 12.30 s without them and 10.79 s with them.
+the default loss on CUDA (levers/loss.py). Triton is imported only when a kernel first runs. What they save in a
+step: docs/benchmarks.md ("Our fused kernels against the ops they replace").
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ rank (b bytes each, the activation dtype):
 plus per row fp32: the four norms' (2 + heads + KV heads) and the log-sum-exp (heads). Without the lean norms each
 norm also keeps an fp32 copy of its input (4 bytes per element: 2H + A + KV). Rotary saves only cos and sin, shared
 by all layers. Checked on CPU by counting every allocation alive after a forward (tests/test_plan.py), with and
-without the lean norms, the fused kernels and the tiled MLP; on the H200, solving three partial-checkpointing peaks
-for it gives 6.62, 13.50 and 6.29 GiB per layer where this counts 6.71, 13.41 and 6.29 (docs/memory.md).
+without the lean norms, the fused kernels and the tiled MLP; on the GPU against partial-checkpointing peaks
+(docs/memory.md).
 
 Gemma also normalises the attention's and the MLP's outputs before adding them (four hidden norms, `norms` in the
 geometry): each extra norm keeps its H-wide input and a row statistic, so the hidden-width terms are (2 + norms) H,

@@ -5,9 +5,8 @@ partition (`fp16_partitioned_groups_flat`). When the two have the same dtype (bf
 `bf16_master_weights_and_grads`, or fp32 training) the master is a copy of identical numbers: DeepSpeed means to
 share the buffer then, but its check compares a `torch.device` with a device *string*, which is never equal
 (DeepSpeed 0.19.8, `_setup_for_real_optimizer`), so the copy is made anyway. That copy is 2 bytes per parameter in
-bf16: 7.5 GiB of Qwen3-4B on one GPU, the difference between DeepSpeed's 10 bytes per parameter and TRL's 8 (pure
-bf16 AdamW), as measured on the H200 (docs/benchmarks.md, docs/memory.md). Sharing it brought our 64k step on one
-H200 from 50.2 to 42.7 GiB, under TRL's 43.1.
+bf16, the difference between DeepSpeed's 10 bytes per parameter and TRL's 8 (pure bf16 AdamW). What sharing it
+saves on a real step is measured in docs/benchmarks.md and counted in docs/memory.md.
 
 `share_master_weights(optimizer)` points each master partition at the model partition's memory after
 `deepspeed.initialize`. The optimizer keeps its tensor objects (its parameter groups and states stay keyed by them);

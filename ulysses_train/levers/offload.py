@@ -24,16 +24,15 @@ class PinnedPool:
     """Host memory for one step's offloaded tensors: registered once, handed out in order, all idle after the backward.
 
     Why not `torch.empty(..., pin_memory=True)`: PyTorch's caching host allocator rounds each block up to a power of
-    two, so a 640 MiB checkpoint (131k tokens x 2560 x 2 bytes) pins 1 GiB: on the H200 host memory beyond the
-    offloaded bytes was 8.9 GiB at 64k and 15.7 GiB at 131k with it, the rounding of 36 checkpoints (6.75 and 13.5
-    GiB) plus ~2 GiB of process. Here pageable memory is registered with CUDA (cudaHostRegister, as torch's own
-    checkpoint stager does), and what is left beyond the offloaded bytes is the process: 2.8 GiB at 64k, 2.2 GiB at
-    131k (docs/benchmarks.md). If registering fails we fall back to torch's pinned memory.
+    two, so a 640 MiB checkpoint (131k tokens x 2560 x 2 bytes) pins 1 GiB: the host then holds the rounding of every
+    checkpoint beside the offloaded bytes. Here pageable memory is registered with CUDA (cudaHostRegister, as torch's
+    own checkpoint stager does), and what is left beyond the offloaded bytes is the process (both measured in
+    docs/benchmarks.md, "Host memory of the offload"). If registering fails we fall back to torch's pinned memory.
 
     Why chunks filled in order rather than a buffer per size: with packed documents a kernel run per document (SDPA;
     FA4 did before it ran them in one varlen call) keeps outputs per document, whose sizes change every step while
-    their sum does not. Buffers kept by size grew by a step's worth of host memory at every new packing (59 GiB a
-    step at 131k on Qwen3-4B: the host's OOM killer stopped the run at its third step). Here each step hands out its
+    their sum does not. Buffers kept by size grew by a step's worth of host memory at every new packing, until the
+    host's OOM killer stopped a 131k run. Here each step hands out its
     tensors in order from the same chunks, skipping a chunk whose rest is too small; a step that runs past the last
     chunk adds one. Tensors of a run whose shapes repeat land where they did the step before, in chunks of their own
     size. If a step that added a chunk leaves more than 2% of the pool unused, the pool is replaced by one chunk of
@@ -199,7 +198,7 @@ class _HostCopy:
 class OffloadKeptOutputs(TorchDispatchMode):
     """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after an
     attention kernel, the cache entries holding CUDA tensors are swapped for host copies. Why: kept attention
-    outputs cost `layers x s x heads x head_dim x 2` bytes (36 GiB at 131k on Qwen3-4B); on the host, no GPU memory."""
+    outputs cost `layers x s x heads x head_dim x 2` bytes; on the host, no GPU memory."""
 
     def __init__(self, caching_mode, offload: HostOffload):
         super().__init__()

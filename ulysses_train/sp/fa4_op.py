@@ -4,8 +4,8 @@ Why our own wrapper rather than `flash_attn.cute.flash_attn_func`: that function
 kernels are not ops the dispatcher sees, so selective checkpointing cannot keep its outputs and every checkpointed
 layer runs the attention forward twice (`--attn_recompute never` had to fall back to recomputing). As a
 registered op with an autograd formula, `fa4_fwd` is one op to the checkpoint's policy, which keeps its (out, lse)
-like SDPA's, and to the offload, which moves them to the host. On the H200 FA4 runs forward+backward at 617-628
-TFLOP/s against cuDNN's 541-552 at 64k-131k tokens (benchmarks/attn_bench.py, docs/benchmarks.md).
+like SDPA's, and to the offload, which moves them to the host. Its speed against cuDNN's: docs/benchmarks.md
+("Attention kernels", benchmarks/attn_bench.py).
 
 Layout (b, s, h, d) for q, k, v and out, lse (b, h, s) fp32; GQA native (k, v with fewer heads); causal.
 Packed documents go through `ulysses::fa4_varlen_fwd` / `fa4_varlen_bwd`: q, k, v, out (total, h, d), lse (h, total),

@@ -113,10 +113,8 @@ def kernel_available(name: str) -> bool:
 def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
                    capability: tuple[int, int] = (0, 0)) -> str:
     """`auto` is FlashAttention-4 where it runs (installed, a CUDA GPU of compute capability 9.0 or later, bf16 or
-    fp16), else SDPA (cuDNN on Hopper). Measured on the H200 in the trainer (docs/benchmarks.md), Qwen3-4B
-    with kept attention outputs: FA4 12.53 s against cuDNN 13.68 s per step at 64k tokens, 40.06 against 44.83 at
-    131k; the kernels alone run at 617-628 TFLOP/s against 541-552; FA2 measured ~325. FA4 goes through our
-    registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
+    fp16), else SDPA (cuDNN on Hopper): FA4 gives the faster step in the trainer and the faster kernel alone
+    (docs/benchmarks.md, "Attention kernels"). FA4 goes through our registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
     cannot run here, is an error naming the flag."""
     if name == "auto":
         fa4_runs = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)

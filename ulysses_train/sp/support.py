@@ -32,7 +32,7 @@ ALL_KERNELS = "FA4, FA2, SDPA"
 @dataclass(frozen=True)
 class Family:
     """A model family the trainer has made exact: what its decoder layers hold and where they run exactly, as the
-    README's table shows it (tests/test_support.py checks each claim against `check_support`)."""
+    table of docs/models.md shows it (tests/test_support.py checks each claim against `check_support`)."""
 
     name: str
     features: str  # what its attention layers do beyond full causal attention ("" when nothing)
@@ -71,7 +71,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def supported_models_table() -> str:
-    """The README's table of supported models, made from FAMILIES (tests/test_support.py keeps the README equal)."""
+    """The table of supported models in docs/models.md, made from FAMILIES (tests/test_support.py keeps the page equal)."""
     rows = ["| family | `model_type` | layers | exact under SP | ring (`--ring_size`) | packing | kernels |",
             "|---|---|---|---|---|---|---|"]
     for model_type, f in FAMILIES.items():
@@ -134,7 +134,7 @@ def family_of(config) -> Family:
                           f"{hint} (--model_config with the text config, or --model with a text-only checkpoint)")
     known = ", ".join(sorted(FAMILIES))
     raise ConfigError(f"model type {model_type!r} is not among the families the trainer has made exact ({known}). "
-                      f"Its layers are never assumed to be full attention: see the supported models in the README")
+                      f"Its layers are never assumed to be full attention: see the supported models in docs/models.md")
 
 
 def _per_layer_heads(config, index: int) -> tuple[int, int]:
@@ -256,5 +256,5 @@ def describe_layers(mixers: list[LayerMixer]) -> str:
     return ", ".join(f"{n} x {kind}" for kind, n in Counter(m.describe() for m in mixers).items())
 
 
-if __name__ == "__main__":  # the README's table: python -m ulysses_train.sp.support
+if __name__ == "__main__":  # the table of docs/models.md: python -m ulysses_train.sp.support
     print(supported_models_table())

@@ -94,8 +94,8 @@ class Constants:
     name: str = "H200 (defaults fitted to docs/results)"
     """Where the constants come from."""
     matmul_tflops: float = 725.0
-    """bf16 TFLOP/s the layers' linear layers reach in a step: the profiled matmul kernels at 64k and 131k ran 88-92%
-    of the 800-810 TFLOP/s ceiling measured beside them."""
+    """bf16 TFLOP/s the layers' linear layers reach in a step: fitted on the profiled matmul kernels against the
+    ceiling measured beside them (docs/benchmarks.md, "Where the time of a step goes")."""
     moe_matmul_efficiency: float = 0.5
     """Share of `matmul_tflops` that MoE experts reach (transformers runs them one expert at a time, with a gather
     and a scatter of the tokens): not measured, an assumption."""
@@ -108,30 +108,34 @@ class Constants:
     everything a DeltaNet layer does beyond its projections: the conv, the gates, the gated norm and FLA's chunked
     kernels in the forward, the recompute and the backward, each small and far below the matmul ceiling."""
     loss_tflops: float = 350.0
-    """The fused loss, over 6 x tokens x vocabulary x hidden: 0.44 s at 64k and 0.89 s at 131k in the profiles
-    (benchmarks/loss_bench.py: 370 at the default chunk of 4,096 rows). Our kernel (--loss_kernel ours)."""
+    """The fused loss, over 6 x tokens x vocabulary x hidden: fitted on its time in the profiled steps
+    (docs/benchmarks.md, "Where the time of a step goes"; alone: "Fused loss chunk size"). Our kernel
+    (--loss_kernel ours)."""
     liger_loss_tflops: float = 540.0
     """Liger-Kernel's fused linear cross-entropy (--loss_kernel liger, the CUDA default), the same FLOPs: fitted to
-    the steps it shortened, 0.12 s at 64k and 0.34 s at 131k against ours (480 and 573 TFLOP/s in-step;
-    benchmarks/kernel_bench.py: 622 alone)."""
+    the steps it shortened against ours (docs/benchmarks.md, "One H200 against TRL": the `_liger` and `_ours` rows;
+    alone: "Kernels: ours against Liger-Kernel and eager PyTorch")."""
     fused: ElementwiseCosts = H200_FUSED
     """Our Triton norms, rotary and SwiGLU (--fused_kernels)."""
     eager: ElementwiseCosts = H200_EAGER
     """The PyTorch ops they replace."""
     eager_in_step: float = 0.75
-    """What the eager ops take inside a step against their cost alone: the fused kernels saved 1.51 s of a 64k
-    step where the ops alone differ by 2.04 s (docs/benchmarks.md); fitted on the eager steps."""
+    """What the eager ops take inside a step against their cost alone: the step's saving with the fused kernels
+    over the ops' difference alone (docs/benchmarks.md, "Our fused kernels against the ops they replace"); fitted
+    on the eager steps."""
     hbm_tb_s: float = 3.0
     """Bandwidth of plain copies and adds (residual adds, the all-to-all's layout copies, k and v copied to every
     head, a MoE's token gathers), TB/s; H200 HBM3e is 4.8 peak."""
     adam_gb_s: float = 660.0
     """DeepSpeed's fused Adam on the GPU, bytes of states read and written per second (14 bytes per parameter with
-    bf16 states, 28 with fp32 masters): 0.085 s for the 4.0B parameters of Qwen3-4B with bf16 states."""
+    bf16 states, 28 with fp32 masters): fitted on the profiled optimizer step (docs/benchmarks.md, "Where the time
+    of a step goes")."""
     cpu_adam_params_per_s: float = 1.72e9
-    """DeepSpeed's CPU Adam on one host (all its cores; 16 here), parameters per second: 2.33 s for 4.0B."""
+    """DeepSpeed's CPU Adam on one host (all its cores), parameters per second: fitted on the run with the optimizer
+    states in host memory (docs/benchmarks.md, "Optimizer states in host memory")."""
     pcie_gb_s: float = 55.0
-    """Host <-> GPU copies of the offload, per GPU and direction, GB/s: 63.4 GB in 1.16 s at 64k, 126.8 in 2.29 s
-    at 131k (profiled; PCIe 5 x16)."""
+    """Host <-> GPU copies of the offload, per GPU and direction, GB/s: fitted on the profiled host copies
+    (docs/benchmarks.md, "Where the time of a step goes"; PCIe 5 x16)."""
     host_gb_s: float = 400.0
     """Host memory bandwidth one node's GPUs share for the offload, GB/s (not measured: 8 x PCIe 5, about what two
     sockets of DDR5 give)."""

@@ -1,0 +1,148 @@
+"""`python -m ulysses_train.tools.flags_doc`: writes docs/flags.md, the reference of every flag of launch/train.py,
+from the trainer's own parser (`build_parser()` in train/config.py) and the field's names (train/aliases.py).
+
+The page has one section per argument group of the parser, in the parser's order, and in it one row per flag: its
+canonical name, the other names that reach it, what it takes (a type or the choices), its default and its help. The
+field's names whose values are translated (`--bf16 true` is `--dtype bf16`) are flags of the parser too; they are
+listed once, in the aliases table, not among the flags. `--check` compares instead of writing (exit 1 when the page
+is stale); tests/test_flags_doc.py does the same, so the page cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from ..train import aliases
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGE = os.path.join(ROOT, "docs", "flags.md")
+COMMAND = "python -m ulysses_train.tools.flags_doc"
+_DEFAULT = re.compile(r"\s*\(default: (.*)\)\s*$", re.S)
+_TOLD = re.compile(r"\s*Default: (.+?)\.(?=\s|$)")
+_ALSO = re.compile(r"\s*Also --[\w, -]+\.(?=\s*(\(default:|$))")  # the aliases, which have their own column
+
+
+def _cell(text: str) -> str:
+    """Text that stays inside one cell of a Markdown table."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default_and_help(action: argparse.Action) -> tuple[str, str]:
+    """The parser keeps no defaults (argument_default=SUPPRESS: the namespace holds only what was given), so the
+    default is the one the help states, `(default: X)` at its end; a default the action holds wins."""
+    help_text = _ALSO.sub("", action.help or "")
+    match = _DEFAULT.search(help_text)
+    stated = match.group(1) if match else None
+    if match:
+        help_text = help_text[:match.start()]
+    held = action.default
+    if held is not argparse.SUPPRESS and held is not None:
+        stated = str(held)
+    help_text = help_text.replace("%%", "%")  # argparse's escape, printed as % by --help
+    told = _TOLD.search(help_text)
+    if stated in (None, "None") and told:  # a default that depends on the run, said in words: "Default: X."
+        stated, help_text = told.group(1), (help_text[:told.start()] + help_text[told.end():]).strip()
+    if stated in (None, "None"):
+        return "none", help_text
+    stated = {"True": "true", "False": "false"}.get(stated, stated)
+    stated = stated.replace(ROOT + os.sep, "")  # the same page on every machine: the repository's files relative,
+    home = os.path.expanduser("~")
+    return (stated.replace(home, "~") if len(home) > 1 else stated), help_text  # the home folder as ~
+
+
+def _takes(action: argparse.Action) -> str:
+    if action.choices:
+        return ", ".join(f"`{c}`" for c in action.choices)
+    if action.metavar == "BOOL" or (action.nargs == "?" and action.const is True):
+        return "true/false (alone: true)"
+    kind = getattr(action.type, "__name__", "str") if action.type else "str"
+    kind = {"dataset_entry": "path or JSON object"}.get(kind, kind.lstrip("_"))
+    if "Repeat" in type(action).__name__ or action.nargs in ("*", "+"):
+        kind += ", repeatable"
+    return kind
+
+
+def _is_listed_flag(action: argparse.Action) -> bool:
+    """A flag of the page: not --help, not hidden, not a translating alias (those are in the aliases table)."""
+    if not action.option_strings or action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+        return False
+    return action.option_strings[0].lstrip("-") not in aliases.BY_NAME
+
+
+def _flag_rows(actions) -> list[str]:
+    rows = ["| flag | also | takes | default | meaning |", "|---|---|---|---|---|"]
+    for action in actions:
+        canonical, *others = action.option_strings
+        also = ", ".join(f"`{name}`" for name in others)
+        default, help_text = _default_and_help(action)
+        rows.append(f"| `{canonical}` | {also} | {_cell(_takes(action))} | {_cell(default)} | {_cell(help_text)} |")
+    return rows
+
+
+def _group_sections(parser: argparse.ArgumentParser) -> list[str]:
+    """A section per argument group that holds a listed flag, titled as the group is, in the parser's order."""
+    lines = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if _is_listed_flag(a)]
+        if not actions:
+            continue
+        title = group.title or "Flags"
+        lines += ["", f"## {title[0].upper()}{title[1:]}", ""]
+        if group.description:
+            lines += [" ".join(group.description.split()), ""]
+        lines += _flag_rows(actions)
+    return lines
+
+
+def _alias_sections() -> list[str]:
+    lines = ["", "## The field's names", "",
+             "Names of transformers' `TrainingArguments`, TRL's `SFTConfig` and axolotl's keys, accepted as flags and "
+             "as YAML keys beside ours (`train/aliases.py`). Each setting has one canonical name, ours, which "
+             "`--help`, `config.yaml` and the checkpoints use.", "",
+             "| name | origin | ours | values |", "|---|---|---|---|"]
+    for alias in aliases.ALIASES:
+        lines.append(f"| `--{alias.name}` | {_cell(alias.origin)} | `--{alias.flag}` | "
+                     f"{_cell(alias.values or 'the same')} |")
+    lines += ["", "Settings of the field that have no counterpart here: a YAML file (or a dict given to `train`) "
+                  "holding one is refused with this reason.", "", "| name | instead |", "|---|---|"]
+    lines += [f"| `{name}` | {_cell(reason)} |" for name, reason in aliases.NO_COUNTERPART.items()]
+    return lines
+
+
+def render(parser: argparse.ArgumentParser | None = None) -> str:
+    """The page, for `parser` (default: the trainer's)."""
+    if parser is None:
+        from ..train.config import build_parser
+
+        parser = build_parser()
+    head = ["# Flags", "",
+            f"Generated from the trainer's parser by `{COMMAND}`; do not edit by hand (a test fails when this page "
+            "differs from the code). `python launch/train.py --help` prints the same. Every flag is also a key of a "
+            "`--config` YAML file (the name without `--`), and a keyword of the Python API's `train()` "
+            "([python-api.md](python-api.md))."]
+    return "\n".join(head + _group_sections(parser) + _alias_sections()) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=PAGE, help="where to write (default: docs/flags.md of this repository)")
+    p.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 when the page is stale")
+    a = p.parse_args(argv)
+    text = render()
+    if a.check:
+        current = open(a.out, encoding="utf-8").read() if os.path.exists(a.out) else ""
+        if current != text:
+            print(f"{a.out} is stale: regenerate it with {COMMAND}", file=sys.stderr)
+            return 1
+        return 0
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
