@@ -180,9 +180,9 @@ def test_config_file_values_are_taken_as_typed(tmp_path):
     path.write_text("output_dir: --odd-name\nweight_decay: -1e-2\nreport_to: [tensorboard, wandb]\npacking: true\n"
                     "steps: 3\n")
     cfg, explicit = parse_args(["--config", str(path), "--steps", "4"])
-    assert (cfg.output_dir, cfg.weight_decay, cfg.report_to, cfg.packing) == ("--odd-name", -0.01,
+    assert (cfg.output.output_dir, cfg.optim.weight_decay, cfg.log.report_to, cfg.data.packing) == ("--odd-name", -0.01,
                                                                               "tensorboard,wandb", True)
-    assert cfg.steps == 4 and {"output_dir", "weight_decay", "report_to", "packing", "steps"} <= explicit
+    assert cfg.optim.steps == 4 and {"output_dir", "weight_decay", "report_to", "packing", "steps"} <= explicit
 
 
 def test_slurm_environment():
