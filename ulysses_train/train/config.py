@@ -280,8 +280,9 @@ class OutputConfig:
     """Output and checkpoints: where the run writes, when it saves, how it resumes."""
 
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
-    config: Optional[str] = _f(None, "A YAML file whose keys are these flags (without --); the command line overrides "
-                               "it. The resolved settings are written to <output_dir>/config.yaml.")
+    config: Optional[str] = _f(None, "A YAML file whose keys are these flags (without --), at the top level or under "
+                               "their group's key (data: {seq_len: 4096}); the command line overrides it. The "
+                               "resolved settings are written, grouped, to <output_dir>/config.yaml.")
     save_steps: int = _f(0, "Save a checkpoint every N optimizer steps (0: only the final one and on SIGTERM).", ge=0)
     save_final: bool = _f(True, "Save a checkpoint after the last step, so that a finished run leaves its weights.")
     save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints (the one just written "
@@ -675,10 +676,11 @@ def dataset_entry(text: str):
 
 
 def _help(f: dataclasses.Field) -> str:
-    """A flag's help: its field's, its aliases, its default."""
+    """A flag's help: its field's, its aliases, its default and its bounds."""
     names = [a.name for a in aliases.ALIASES if a.flag == f.name and a.convert is None]
     also = f" Also --{', --'.join(names)}." if names else ""
-    return f"{f.metadata['help']}{also} (default: {f.default})"
+    bounds = f"; {_describe(f.metadata['bounds'])}" if f.metadata["bounds"] else ""
+    return f"{f.metadata['help']}{also} (default: {f.default}{bounds})"
 
 
 def build_parser(raise_errors: bool = False) -> _Parser:
