@@ -7,7 +7,8 @@ import re
 import pytest
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config import REPO_ROOT, build_parser, parse_args
+from ulysses_train.train.config import build_parser, parse_args
+from ulysses_train.train.config_groups import REPO_ROOT
 from ulysses_train.train.ds_config import load_ds_config, resolve_ds_config
 from ulysses_train.train.launcher import expand_nodelist, normalise_launcher_env
 from ulysses_train.sp.dims import ParallelDims, check_heads, check_lengths, valid_sp_sizes, validate

@@ -1,4 +1,4 @@
-"""The configuration grouped by concern (train/config.py): YAML flat or grouped, config.yaml grouped and read back,
+"""The configuration grouped by concern (train/config_groups.py, train/config.py): YAML flat or grouped, config.yaml grouped and read back,
 --help in one section per group, every bound checked and named by its flag, the parser's types read from the
 annotations, and TrainConfig built from its groups (no processes)."""
 
@@ -115,8 +115,8 @@ def test_the_parser_takes_its_types_and_choices_from_the_annotations():
         parse_args(["--seq_len", "1.5"])
     with pytest.raises(ConfigError, match="--dtype: invalid choice: 'fp16'"):
         parse_args(["--dtype", "fp16"])
-    source = open(os.path.join(os.path.dirname(__file__), "..", "ulysses_train", "train", "config.py")).read()
-    assert "eval(" not in source
+    for module in ("config.py", "config_groups.py"):
+        assert "eval(" not in open(os.path.join(os.path.dirname(__file__), "..", "ulysses_train", "train", module)).read()
 
 
 def test_trainconfig_is_built_from_its_groups():
