@@ -90,6 +90,7 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     """No process: the eval flags need --eval_dataset, a missing one is named before any work, and what is wrong
     in its rows names --eval_dataset, not --dataset."""
     from ulysses_train.data.load import _Loader
+    from ulysses_train.data.mixture import dataset_entries
     from ulysses_train.errors import ConfigError
     from ulysses_train.train.config import parse_args
     from ulysses_train.train.preflight import preflight
@@ -105,12 +106,17 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": "not a list"}])
     cfg, _ = parse_args(_args(files) + ["--data_cache_dir", str(tmp_path / "cache")])
-    message = _Loader(cfg.data_settings(), bad, "train", 128, 512, print, "eval_dataset").load()
+    settings = cfg.data_settings()
+
+    def load(path, split="train"):
+        return _Loader(settings, dataset_entries(path, "eval_dataset"), split, 128, 512, print, "eval_dataset").load()
+
+    message = load(bad)
     assert message.startswith(f"row 0 of --eval_dataset {bad}: `messages` must be"), message
     no_target = write_jsonl(tmp_path / "noassist.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
-    message = _Loader(cfg.data_settings(), no_target, "train", 128, 512, print, "eval_dataset").load()
+    message = load(no_target)
     assert message.startswith(f"--eval_dataset {no_target}: no target: none of its 3 conversations"), message
-    message = _Loader(cfg.data_settings(), files["eval"], "validation", 128, 512, print, "eval_dataset").load()
+    message = load(files["eval"], "validation")
     assert message.startswith("--eval_split validation: ") and "no such split" in message, message
 
 

@@ -86,7 +86,7 @@ def test_report_to_and_config_file_errors_name_the_flag(tmp_path, capsys):
     for text, expected in (("seq_lenn: 5\n", "1 unsupported key: seq_lenn (nearest flag: --seq_len)"),
                            ("seq_len: [5\n", "is not valid YAML"),
                            ("- 5\n", "must hold a mapping of flag names to values"),
-                           ("seq_len: many\n", f"--config {bad}: seq_len: 'many' is not a valid int")):
+                           ("seq_len: many\n", f"--config {bad}: seq_len: invalid int value: 'many'")):
         bad.write_text(text)
         with pytest.raises(ConfigError) as e:  # the CLI prints it once (rank 0), exit 2
             parse_args(["--config", str(bad)])
