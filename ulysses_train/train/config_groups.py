@@ -329,6 +329,8 @@ class VerifyConfig:
     verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).",
                                        gt=0)
 
+
+# the groups' attributes on TrainConfig (cfg.data, cfg.optim, ...) and their keys in a grouped YAML file
 GROUPS = {"base": ModelConfig, "data": DataConfig, "sft": SFTConfig, "pref": PreferenceConfig,
           "adapters": AdapterConfig, "optim": OptimConfig, "parallel": ParallelConfig, "levers": LeverConfig,
           "output": OutputConfig, "log": LogConfig, "eval": EvalConfig, "check": VerifyConfig}
@@ -359,7 +361,8 @@ def _all_flags() -> dict[str, Flag]:
     for group, cls in GROUPS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            assert f.name not in flags and f.name not in GROUPS, f"flag {f.name} named twice"
+            if f.name in flags or f.name in GROUPS:  # a flat flag, or a YAML key, would mean two things
+                raise TypeError(f"{f.name} names a flag of the group {group} and another flag or a group")
             flags[f.name] = _flag(group, f, hints[f.name])
     return flags
 
