@@ -102,7 +102,7 @@ def main():
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, explicit = parse_args(argv[split + 1:])
     if "save_final" not in explicit:  # a benchmark's weights are not worth a save that would take its time
-        cfg.save_final = False
+        cfg.output.save_final = False
     normalise_launcher_env()
     if torch.cuda.is_available():  # each rank measures its own GPU (before the trainer sets it, all used GPU 0)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -123,7 +123,7 @@ def main():
     world = trainer.world
     result = {
         "label": args.label, "argv": argv[split + 1:], "world": world, "sp": trainer.groups.sp_size,
-        "seq_len": cfg.seq_len, "layers": trainer.model_config.num_hidden_layers, "step_times_s": times,
+        "seq_len": cfg.data.seq_len, "layers": trainer.model_config.num_hidden_layers, "step_times_s": times,
         "median_step_s": median, "tokens_per_s": tokens / median,
         "model_tflops_per_gpu": flops["total"] / median / world / 1e12, "matmul_ceiling_tflops": ceiling,
         "mfu": flops["total"] / median / world / 1e12 / ceiling, "flops": flops,

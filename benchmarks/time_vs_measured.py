@@ -42,15 +42,15 @@ def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     i = argv.index("--dataset")
     argv[i + 1] = os.path.join(data_dir, os.path.basename(argv[i + 1]))
     cfg, _ = parse_args(argv + ["--data_cache_dir", os.path.join(data_dir, "cache")])
-    vocab = load_model_config(cfg.model, cfg.model_config, cfg.num_layers).vocab_size
-    loaded = _Loader(cfg, cfg.dataset, cfg.dataset_split, cfg.seq_len, vocab, lambda message: None,
-                     "dataset").load()
+    vocab = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers).vocab_size
+    loaded = _Loader(cfg.data_settings(), cfg.data.dataset, cfg.data.dataset_split, cfg.data.seq_len, vocab,
+                     lambda message: None, "dataset").load()
     if isinstance(loaded, str):
         raise RuntimeError(loaded)
     _, source = loaded
     docs = []
     for step in range(steps):
-        index = sample_order(global_sample_index(step, 0, 1, 0, 1, 1, 0), source.num_samples, cfg.seed)
+        index = sample_order(global_sample_index(step, 0, 1, 0, 1, 1, 0), source.num_samples, cfg.data.seed)
         docs.append(tuple(build_batch([source.get(index)], True)["docs"][0]))
     return docs
 

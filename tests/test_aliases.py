@@ -6,7 +6,8 @@ import yaml
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.train import aliases
-from ulysses_train.train.config import TrainConfig, config_from, parse_args, write_resolved_config
+from ulysses_train.train.config import (FLAGS, GROUPS, OptimConfig, TrainConfig, config_from, parse_args,
+                                        write_resolved_config)
 
 TRL_STYLE = {"learning_rate": 2e-5, "max_seq_length": 4096, "per_device_train_batch_size": 2,
              "gradient_accumulation_steps": 8, "num_train_epochs": 3, "warmup_ratio": 0.03,
@@ -24,7 +25,7 @@ CANONICAL = {"lr": 2e-5, "seq_len": 4096, "micro_batch_size": 2, "grad_accum": 8
 
 
 def _values(cfg) -> dict:
-    return {name: getattr(cfg, name) for name in CANONICAL}
+    return {name: cfg.get(name) for name in CANONICAL}
 
 
 def test_a_trl_config_reads_as_our_flags_in_yaml_the_api_and_on_the_command_line(tmp_path):
@@ -32,12 +33,12 @@ def test_a_trl_config_reads_as_our_flags_in_yaml_the_api_and_on_the_command_line
     path.write_text(yaml.safe_dump(TRL_STYLE))
     from_file, explicit = parse_args(["--config", str(path)])
     assert _values(from_file) == CANONICAL
-    assert "steps" not in explicit and from_file.steps == 30  # max_steps -1 is transformers' "not set"
+    assert "steps" not in explicit and from_file.optim.steps == 30  # max_steps -1 is transformers' "not set"
     assert _values(config_from(str(path))[0]) == CANONICAL == _values(config_from(TRL_STYLE)[0])
     words = [w for k, v in TRL_STYLE.items() for w in aliases.value_words(k, v)]
     assert _values(parse_args(words)[0]) == CANONICAL
     # config.yaml holds the canonical names only, and reads back to the same settings
-    from_file.output_dir = str(tmp_path)
+    from_file.output.output_dir = str(tmp_path)
     written = yaml.safe_load(open(write_resolved_config(from_file)))
     assert not set(written) & {a.name for a in aliases.ALIASES}
     assert _values(parse_args(["--config", str(tmp_path / "config.yaml")])[0]) == dict(CANONICAL, resume=None,
@@ -48,11 +49,12 @@ def test_typed_flags_win_over_the_file_in_the_order_given(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("bf16: true\nlearning_rate: 1e-4\ndataset: [a.jsonl, b.jsonl]\n")
     cfg, _ = parse_args(["--config", str(path), "--dtype", "fp32", "--lr", "3e-3", "--dataset", "c.jsonl"])
-    assert (cfg.dtype, cfg.lr, cfg.dataset) == ("fp32", 3e-3, "c.jsonl")  # the command line's list replaces the file's
+    # the command line's list replaces the file's
+    assert (cfg.base.dtype, cfg.optim.lr, cfg.data.dataset) == ("fp32", 3e-3, "c.jsonl")
     cfg, _ = parse_args(["--dtype", "fp32", "--bf16", "--completion_only_loss", "false"])
-    assert (cfg.dtype, cfg.loss_on) == ("bf16", "all")
+    assert (cfg.base.dtype, cfg.sft.loss_on) == ("bf16", "all")
     cfg, _ = config_from({"dataset": ["a.jsonl", {"path": "b.jsonl", "weight": 0.5}]}, {"learning_rate": 1e-3})
-    assert cfg.dataset == ["a.jsonl", {"path": "b.jsonl", "weight": 0.5}] and cfg.lr == 1e-3
+    assert cfg.data.dataset == ["a.jsonl", {"path": "b.jsonl", "weight": 0.5}] and cfg.optim.lr == 1e-3
 
 
 def test_every_unsupported_key_is_named_at_once_with_the_nearest_flag(tmp_path):
@@ -83,12 +85,13 @@ def test_every_unsupported_key_is_named_at_once_with_the_nearest_flag(tmp_path):
 
 
 def test_a_trainconfig_gives_the_settings_that_differ_from_the_defaults():
-    cfg, explicit = config_from(TrainConfig(lr=1e-4, steps=5), {"max_steps": 7})
-    assert (cfg.lr, cfg.steps) == (1e-4, 7) and explicit == {"lr", "steps"}
+    cfg, explicit = config_from(TrainConfig(optim=OptimConfig(lr=1e-4, steps=5)), {"max_steps": 7})
+    assert (cfg.optim.lr, cfg.optim.steps) == (1e-4, 7) and explicit == {"lr", "steps"}
     assert config_from(TrainConfig())[1] == set()
 
 
 def test_every_alias_names_a_flag_and_no_flag_name_is_an_alias():
-    flags = {f for f in TrainConfig.__dataclass_fields__}
+    flags = set(FLAGS)
     assert {a.flag for a in aliases.ALIASES} <= flags
     assert not {a.name for a in aliases.ALIASES} & flags
+    assert not set(GROUPS) & (flags | set(aliases.BY_NAME))  # a group's key in YAML is never a setting's

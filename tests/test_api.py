@@ -68,10 +68,11 @@ def test_trl_style_settings_train_with_epochs_a_linear_schedule_and_evaluation(s
         assert run["lr"][warmup:] == pytest.approx(expected[warmup:], rel=1e-9)
         assert run["lr"][0] == pytest.approx(lr / (warmup + 1))  # ours: (step + 1) / (warmup + 1), never 0
     assert runs["trl_style"]["eval_loss"] != runs["mixture"]["eval_loss"]
-    mixture = yaml.safe_load(open(out / "mixture" / "config.yaml"))["dataset"]
+    mixture = yaml.safe_load(open(out / "mixture" / "config.yaml"))["data"]["dataset"]  # grouped by concern
     assert mixture == [{"path": str(out / "train.jsonl"), "weight": 0.5}, {"path": str(out / "sharegpt.jsonl"),
                                                                            "samples": 8}]
-    resolved = yaml.safe_load(open(out / "trl_style" / "config.yaml"))
+    resolved = {k: v for group in yaml.safe_load(open(out / "trl_style" / "config.yaml")).values() for k, v in
+                group.items()}
     assert {"learning_rate", "max_seq_length", "num_train_epochs", "assistant_only_loss", "bf16"}.isdisjoint(resolved)
     assert (resolved["lr"], resolved["seq_len"], resolved["grad_accum"], resolved["epochs"], resolved["steps"],
             resolved["warmup_ratio"], resolved["lr_scheduler_type"], resolved["loss_on"], resolved["dtype"]) == (

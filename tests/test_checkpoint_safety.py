@@ -12,7 +12,7 @@ import torch
 from tests.distributed import run_distributed
 from ulysses_train.errors import CheckpointError, ConfigError
 from ulysses_train.train import checkpoint, manifest, resume, run_folder
-from ulysses_train.train.config import TrainConfig, parse_args
+from ulysses_train.train.config import OptimConfig, TrainConfig, parse_args
 
 SHARD = os.path.join("ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
 
@@ -179,7 +179,7 @@ def test_a_checkpoint_under_another_name_resumes_and_rolls_back_by_its_step(tmp_
 
     out = str(tmp_path)
     fake_checkpoint(out, 2)
-    fake_checkpoint(out, 4, config=TrainConfig(steps=6).to_dict())
+    fake_checkpoint(out, 4, config=TrainConfig(optim=OptimConfig(steps=6)).to_dict())
     fake_checkpoint(out, 6)
     best = os.path.join(out, "best")
     shutil.copytree(os.path.join(out, "checkpoints", "step_00000004"), best)
@@ -287,7 +287,7 @@ def listing_names(out):
 
 def settings_of(argv):
     cfg, _ = parse_args(argv)
-    return cfg, resume.training_settings(cfg, {"lr": cfg.lr or 1e-3, "micro_batch_size": 1, "grad_accum": 1,
+    return cfg, resume.training_settings(cfg, {"lr": cfg.optim.lr or 1e-3, "micro_batch_size": 1, "grad_accum": 1,
                                                "max_grad_norm": 1.0, "dtype": "fp32", "ds_config": {}})
 
 
@@ -347,7 +347,7 @@ def test_a_model_config_edited_in_place_is_a_changed_setting(tmp_path):
 
     def settings(argv):
         cfg, _ = parse_args(argv)
-        return cfg, resume.training_settings(cfg, {"model_config": model_config_values(cfg.model_config)})
+        return cfg, resume.training_settings(cfg, {"model_config": model_config_values(cfg.base.model_config)})
 
     _, saved = settings(["--model_config", str(path)])
     state = {"step": 3, "config": parse_args(["--model_config", str(path)])[0].to_dict(), "settings": saved}
@@ -367,7 +367,8 @@ def test_a_model_config_edited_in_place_is_a_changed_setting(tmp_path):
 
 def test_the_plan_says_nothing_to_do_and_refuses_schedule_overrides_under_a_ds_config_scheduler(tmp_path):
     out = str(tmp_path)
-    path = fake_checkpoint(out, 2, config=TrainConfig(steps=2).to_dict())  # saved before resolved settings were
+    # saved before resolved settings were
+    path = fake_checkpoint(out, 2, config=TrainConfig(optim=OptimConfig(steps=2)).to_dict())
 
     def decide(argv, own_scheduler=True):
         cfg, _ = parse_args(["--output_dir", out, "--resume", path] + argv)

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config import REPO_ROOT, parse_args
+from ulysses_train.train.config import build_parser, parse_args
+from ulysses_train.train.config_groups import REPO_ROOT
 from ulysses_train.train.ds_config import load_ds_config, resolve_ds_config
 from ulysses_train.train.launcher import expand_nodelist, normalise_launcher_env
 from ulysses_train.sp.dims import ParallelDims, check_heads, check_lengths, valid_sp_sizes, validate
@@ -180,9 +181,9 @@ def test_config_file_values_are_taken_as_typed(tmp_path):
     path.write_text("output_dir: --odd-name\nweight_decay: -1e-2\nreport_to: [tensorboard, wandb]\npacking: true\n"
                     "steps: 3\n")
     cfg, explicit = parse_args(["--config", str(path), "--steps", "4"])
-    assert (cfg.output_dir, cfg.weight_decay, cfg.report_to, cfg.packing) == ("--odd-name", -0.01,
+    assert (cfg.output.output_dir, cfg.optim.weight_decay, cfg.log.report_to, cfg.data.packing) == ("--odd-name", -0.01,
                                                                               "tensorboard,wandb", True)
-    assert cfg.steps == 4 and {"output_dir", "weight_decay", "report_to", "packing", "steps"} <= explicit
+    assert cfg.optim.steps == 4 and {"output_dir", "weight_decay", "report_to", "packing", "steps"} <= explicit
 
 
 def test_slurm_environment():

@@ -47,7 +47,7 @@ def _evaluate_against_transformers(rank, world, files, settings, trained):
         if rank == 0:
             from ulysses_train.data.sources import build_batch
 
-            batches = [build_batch([trainer.eval_source.get(i)], cfg.packing)
+            batches = [build_batch([trainer.eval_source.get(i)], cfg.data.packing)
                        for i in range(trainer.eval_source.num_samples)]
             ref_loss, _, _ = reference_step(trainer.model_config, weights, batches, torch.float32, trainer.device)
             results.append((ours, ref_loss))
@@ -106,9 +106,10 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": "not a list"}])
     cfg, _ = parse_args(_args(files) + ["--data_cache_dir", str(tmp_path / "cache")])
+    settings = cfg.data_settings()
 
     def load(path, split="train"):
-        return _Loader(cfg, dataset_entries(path, "eval_dataset"), split, 128, 512, print, "eval_dataset").load()
+        return _Loader(settings, dataset_entries(path, "eval_dataset"), split, 128, 512, print, "eval_dataset").load()
 
     message = load(bad)
     assert message.startswith(f"row 0 of --eval_dataset {bad}: `messages` must be"), message
@@ -136,7 +137,8 @@ def test_an_evaluation_without_a_target_reports_no_loss_not_zero(tmp_path):
             return torch.arange(8), 8, None, torch.full((8,), -100)
 
     run = SimpleNamespace(groups=SimpleNamespace(dp_size=1, dp_rank=0, sp_size=1, sp_rank=0, ring_size=1), micro=1,
-                          cfg=SimpleNamespace(packing=False), device=torch.device("cpu"), tokenizer=None,
+                          cfg=SimpleNamespace(data=SimpleNamespace(packing=False)), device=torch.device("cpu"),
+                          tokenizer=None,
                           attention=SimpleNamespace(),
                           engine=type("Engine", (), {"eval": lambda self: None, "train": lambda self: None,
                                                      "__call__": lambda self, *a: torch.zeros(())})())

@@ -21,8 +21,8 @@ GPU_GIB, HOST_GIB = 139.7, 125.0
 
 def _trainer_side(argv: list[str], gpus: int, sp: int):
     cfg, explicit = parse_args(argv)
-    config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
-    ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, gpus // sp, sp, config.hidden_size,
+    config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
+    ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, gpus // sp, sp, config.hidden_size,
                            use_bf16=True, random_init=True)
     device = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=min(gpus, 8))
     return run_levers(cfg, config, ds, sp, torch.bfloat16, device)

@@ -61,7 +61,7 @@ def _run(rank, world, runs, tmp):
                 shutil.rmtree(folder)
         cfg, explicit = parse_args(argv + ["--output_dir", os.path.join(tmp, name.removeprefix("resume_"))])
         trainer = Trainer(cfg, explicit)
-        result = run_verify(trainer) if cfg.verify else train(trainer)
+        result = run_verify(trainer) if cfg.check.verify else train(trainer)
         if trainer.lock is not None:
             trainer.lock.release()
         out[name] = (result, trainer.reference)

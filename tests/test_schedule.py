@@ -59,9 +59,10 @@ def test_a_resumed_run_follows_the_schedule_of_its_new_flags():
 
 
 def test_resumed_adamw_settings_are_this_runs():
-    from ulysses_train.train.config import TrainConfig
+    from ulysses_train.train.config import OptimConfig, TrainConfig
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), eps=1e-8)
-    resume.apply_optimizer_settings(optimizer, TrainConfig(adam_beta2=0.999, adam_epsilon=1e-6, weight_decay=0.1))
+    resume.apply_optimizer_settings(optimizer, TrainConfig(optim=OptimConfig(
+        adam_beta2=0.999, adam_epsilon=1e-6, weight_decay=0.1)))
     group = optimizer.param_groups[0]
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.999), 1e-6, 0.1)

@@ -389,18 +389,17 @@ def test_empty_dataset_files_name_the_flag(tmp_path):
     """A 0-byte .jsonl failed with a bare StopIteration inside datasets (exit 3), for --dataset and --eval_dataset."""
     from ulysses_train.data.load import _Loader
     from ulysses_train.data.mixture import dataset_entries
+    from ulysses_train.train.config import TrainConfig
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "a.jsonl").write_text("")
     (tmp_path / "folder" / "b.jsonl").write_text("")
-    from ulysses_train.train.config import parse_args
-
-    cfg = parse_args(["--tokenizer", "bytes"])[0]
+    settings = TrainConfig.from_flags({"tokenizer": "bytes"}).data_settings()
     for flag in ("dataset", "eval_dataset"):
-        assert _Loader(cfg, dataset_entries(str(empty), flag), "train", 64, 259, print, flag).load() == (
+        assert _Loader(settings, dataset_entries(str(empty), flag), "train", 64, 259, print, flag).load() == (
             f"--{flag} {empty} is empty (0 bytes): nothing to read; give a file with rows")
     folder = dataset_entries(str(tmp_path / "folder"), "dataset")
-    assert _Loader(cfg, folder, "train", 64, 259, print, "dataset").load() == (
+    assert _Loader(settings, folder, "train", 64, 259, print, "dataset").load() == (
         f"--dataset {tmp_path / 'folder'}: its 2 file(s) are empty (0 bytes): nothing to read; give a file with rows")

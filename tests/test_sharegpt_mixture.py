@@ -3,7 +3,6 @@ columns and role names (--messages_field, --role_map), each stored with transfor
 of the same conversation; a mixture of datasets in their own formats, each sample drawn as that dataset gives it
 (no processes)."""
 
-import dataclasses
 import json
 
 import numpy as np
@@ -81,10 +80,10 @@ def test_a_mixture_draws_each_dataset_as_it_is_alone(tok, tmp_path):
                 "seq_len": 128, "data_cache_dir": str(tmp_path / "cache"), "seed": 3}
     cfg, _ = config_from(settings)
     logged = []
-    _, mixture = load_source(cfg, cfg.dataset, "train", 128, 512, 0, logged.append)
-    plain = dataclasses.replace(cfg, chat_template=None)  # which a text dataset alone refuses
-    alone = [load_source(c, path, "train", 128, 512, 0, print)[1] for c, path in ((cfg, sharegpt), (cfg, pairs),
-                                                                                 (plain, text))]
+    _, mixture = load_source(cfg.data_settings(), cfg.data.dataset, "train", 128, 512, 0, logged.append)
+    plain = cfg.with_flags(chat_template=None)  # which a text dataset alone refuses
+    alone = [load_source(c.data_settings(), path, "train", 128, 512, 0, print)[1]
+             for c, path in ((cfg, sharegpt), (cfg, pairs), (plain, text))]
     assert isinstance(mixture, MixtureSource) and mixture.counts == [5, 2, alone[2].num_samples]
     assert "a mixture of 3" in logged[-1] and f"{sharegpt}: 5 of its 3 samples (5 samples)" in logged[-1]
     drawn = {0: [], 1: [], 2: []}

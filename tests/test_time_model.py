@@ -87,7 +87,7 @@ def _brute_force(c, machine, constants):
     for sp, micro, request, choices in candidates(c, machine):
         for n in range(c.g["layers"] + 1):
             explicit = dataclasses.replace(request, checkpoint_layers=str(n))
-            levers = resolve_levers(explicit, c.g, micro * c.cfg.seq_len // sp, c.act_bytes, machine.device(),
+            levers = resolve_levers(explicit, c.g, micro * c.cfg.data.seq_len // sp, c.act_bytes, machine.device(),
                                     choices)
             plan = evaluate(c, machine, constants, sp, levers, micro)
             if plan.fits and (best is None or plan.per_sequence < best.per_sequence):

@@ -66,7 +66,8 @@ def test_trackers_write_their_files_from_a_config_file_and_continue_on_resume(tm
     assert b"train/loss" in logged and all(json.dumps(loss).encode() in logged for loss in losses)
     # the resolved settings are a config file again: read back, they give the same run
     resolved, _ = parse_args(["--config", str(out / "config.yaml")])
-    assert resolved.seq_len == 128 and resolved.steps == 3 and resolved.report_to == "tensorboard,wandb,mlflow"
+    assert (resolved.data.seq_len, resolved.optim.steps) == (128, 3)
+    assert resolved.log.report_to == "tensorboard,wandb,mlflow"
 
     _train(["--config", str(out / "config.yaml"), "--steps", "5", "--resume", "auto", "--resume_override", "steps"],
            tmp_path)
@@ -85,7 +86,7 @@ def test_report_to_and_config_file_errors_name_the_flag(tmp_path, capsys):
     for text, expected in (("seq_lenn: 5\n", "1 unsupported key: seq_lenn (nearest flag: --seq_len)"),
                            ("seq_len: [5\n", "is not valid YAML"),
                            ("- 5\n", "must hold a mapping of flag names to values"),
-                           ("seq_len: many\n", f"--config {bad}: seq_len: 'many' is not a valid int")):
+                           ("seq_len: many\n", f"--config {bad}: seq_len: invalid int value: 'many'")):
         bad.write_text(text)
         with pytest.raises(ConfigError) as e:  # the CLI prints it once (rank 0), exit 2
             parse_args(["--config", str(bad)])
@@ -114,7 +115,7 @@ def test_a_tracker_that_cannot_start_is_named_before_the_model_is_built(tmp_path
     uri = _refused_uri()
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    cfg = TrainConfig(report_to="mlflow", output_dir=str(tmp_path / "a"))
+    cfg = TrainConfig.from_flags({"report_to": "mlflow", "output_dir": str(tmp_path / "a")})
     with pytest.raises(ConfigError, match=rf"^--report_to mlflow: the tracker does not start, writing to "
                                           rf"MLFLOW_TRACKING_URI={uri} \(.*Connection refused.*\): start the server "
                                           rf"or point MLFLOW_TRACKING_URI at one that answers"):
@@ -123,7 +124,8 @@ def test_a_tracker_that_cannot_start_is_named_before_the_model_is_built(tmp_path
     (tmp_path / "tb" / "tensorboard").write_text("")  # a file where its folder goes
     with pytest.raises(ConfigError, match=rf"^--report_to tensorboard: the tracker does not start, writing to "
                                           rf"{tmp_path / 'tb' / 'tensorboard'} \(FileExistsError"):
-        tracking.start_trackers(TrainConfig(report_to="tensorboard", output_dir=str(tmp_path / "tb")), False, 0)
+        tracking.start_trackers(TrainConfig.from_flags({"report_to": "tensorboard",
+                                                           "output_dir": str(tmp_path / "tb")}), False, 0)
     with socket.socket() as silent:  # accepts connections, never answers: MLflow would wait 120 s per request
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)

@@ -167,17 +167,19 @@ def preference_store(corpus, tokenizer, *, method: str, dataset: str, split: str
     return store, settings
 
 
-def preference_source(cfg, corpus, tokenizer, dataset: str, split: str, row_len: int, log):
-    """The rows of pairs of a loaded dataset for the trainer (data/load.py): the store, then --max_length (default
-    half a row), --truncation and --packing (several pairs per row) applied as the pairs are cut into rows."""
+def preference_source(settings, corpus, tokenizer, dataset: str, split: str, row_len: int, log):
+    """The rows of pairs of a loaded dataset for the trainer (data/load.py; `settings` a DataSettings): the store,
+    then --max_length (default half a row), --truncation and --packing (several pairs per row) applied as the pairs
+    are cut into rows."""
     from .pair_packing import PreferenceSamples, PreferenceSource
 
-    store, settings = preference_store(corpus, tokenizer, method=cfg.method, dataset=dataset, split=split,
-                                       cache_dir=cfg.data_cache_dir, chat_template=cfg.chat_template,
-                                       num_proc=cfg.num_proc, max_tokens=cfg.max_tokens)
-    samples = PreferenceSamples(store, row_len, cfg.max_length or row_len // 2, cfg.truncation, cfg.packing,
-                                tokenizer.pad_token_id or 0, "--verify_seq_len" if cfg.verify else "--seq_len")
+    data, sft, pref, length_flag = settings.data, settings.sft, settings.pref, settings.length_flag
+    store, settings = preference_store(corpus, tokenizer, method=pref.method, dataset=dataset, split=split,
+                                       cache_dir=data.data_cache_dir, chat_template=sft.chat_template,
+                                       num_proc=data.num_proc, max_tokens=data.max_tokens)
+    samples = PreferenceSamples(store, row_len, pref.max_length or row_len // 2, sft.truncation, data.packing,
+                                tokenizer.pad_token_id or 0, length_flag)
     template = " (chat template)" if settings["chat_template"] else ""
     log(f"data: preference pairs{template}, {'explicit' if settings['explicit_prompt'] else 'implicit'} prompt: "
-        f"{samples.describe()} (cache {'hit' if store.cache_hit else 'written'}, packing {cfg.packing})")
+        f"{samples.describe()} (cache {'hit' if store.cache_hit else 'written'}, packing {data.packing})")
     return PreferenceSource(samples)

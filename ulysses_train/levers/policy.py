@@ -45,11 +45,12 @@ class LeverRequest:
     adapter_dropout: float = 0.0  # --lora_dropout under --use_peft: random masks a recompute must repeat
 
     @classmethod
-    def from_config(cls, cfg) -> "LeverRequest":
-        lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(cfg.lean_norm, cfg.lean_norm)
-        return cls(cfg.loss, cfg.gradient_checkpointing, cfg.attn_recompute, cfg.offload_activations, cfg.tiled_mlp,
-                   lean, cfg.fused_kernels, cfg.share_master_weights, cfg.loss_kernel, cfg.checkpoint_layers,
-                   cfg.lora_dropout if cfg.use_peft else 0.0)
+    def from_config(cls, levers, adapter_dropout: float = 0.0) -> "LeverRequest":
+        """The request of the run's levers group (train/config.py LeverConfig) and its adapters' dropout."""
+        lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(levers.lean_norm, levers.lean_norm)
+        return cls(levers.loss, levers.gradient_checkpointing, levers.attn_recompute, levers.offload_activations,
+                   levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights, levers.loss_kernel,
+                   levers.checkpoint_layers, adapter_dropout)
 
 
 @dataclass(frozen=True)

@@ -68,17 +68,17 @@ class AdapterSpec:
     load_in_4bit: bool = False
 
     @classmethod
-    def from_config(cls, cfg) -> Optional["AdapterSpec"]:
-        """The run's adapters, or None without --use_peft."""
-        if not cfg.use_peft:
+    def from_config(cls, adapters) -> Optional["AdapterSpec"]:
+        """The run's adapters (its adapters group: train/config.py AdapterConfig), or None without --use_peft."""
+        if not adapters.use_peft:
             return None
         import importlib.util
 
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("--use_peft needs PEFT: pip install peft (or pip install -e \".[lora]\")")
-        return cls(cfg.lora_r, float(cfg.lora_alpha), float(cfg.lora_dropout),
-                   _names(cfg.lora_target_modules) or (ALL_LINEAR,), _names(cfg.lora_modules_to_save),
-                   bool(cfg.load_in_4bit))
+        return cls(adapters.lora_r, float(adapters.lora_alpha), float(adapters.lora_dropout),
+                   _names(adapters.lora_target_modules) or (ALL_LINEAR,), _names(adapters.lora_modules_to_save),
+                   bool(adapters.load_in_4bit))
 
     @property
     def all_linear(self) -> bool:

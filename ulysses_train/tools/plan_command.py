@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..levers.policy import GiB, DeviceInfo, Levers, resolve_levers
 from ..model.build import attention_heads, load_model_config
 from ..sp.support import check_support
 from ..sp import dims
@@ -87,21 +87,22 @@ def command(train_argv: list[str], machine: Machine) -> Command:
 
     cfg, explicit = parse_args(train_argv)
     cfg.validate()
-    config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
-    sp = cfg.sp_size or math.gcd(min(machine.gpus, machine.gpus_per_node), machine.gpus)
-    ring = dims.resolve_ring_size(cfg.ring_size, sp, *attention_heads(config))
-    dims.validate(machine.gpus, sp, *attention_heads(config), {"seq_len": cfg.seq_len}, cfg.pad_to_sp, ring)
-    check_support(config, sp, ring, _kernel(cfg.attn_kernel), "cuda", cfg.packing)  # what the trainer refuses, refused here
-    bf16 = cfg.dtype != "fp32"  # auto is bf16 on a GPU
-    ds = resolve_ds_config(load_ds_config(cfg.ds_config), cfg, explicit, machine.gpus // sp, sp, config.hidden_size,
-                           use_bf16=bf16, random_init=cfg.model is None)
+    config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
+    sp = cfg.parallel.sp_size or math.gcd(min(machine.gpus, machine.gpus_per_node), machine.gpus)
+    ring = dims.resolve_ring_size(cfg.parallel.ring_size, sp, *attention_heads(config))
+    dims.validate(machine.gpus, sp, *attention_heads(config), {"seq_len": cfg.data.seq_len}, cfg.data.pad_to_sp, ring)
+    # what the trainer refuses, refused here
+    check_support(config, sp, ring, _kernel(cfg.levers.attn_kernel), "cuda", cfg.data.packing)
+    bf16 = cfg.base.dtype != "fp32"  # auto is bf16 on a GPU
+    ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, machine.gpus // sp, sp,
+                           config.hidden_size, use_bf16=bf16, random_init=cfg.base.model is None)
     dtype = torch.bfloat16 if bf16 else torch.float32
     g = run_geometry(cfg, config)  # with --use_peft, what the adapters change
     levers = run_levers(cfg, config, ds, sp, dtype, machine.device(), g)
     choices = lever_choices(ds)
-    return Command(cfg, g, sp, levers, _kernel(cfg.attn_kernel), ds["train_micro_batch_size_per_gpu"],
+    return Command(cfg, g, sp, levers, _kernel(cfg.levers.attn_kernel), ds["train_micro_batch_size_per_gpu"],
                    ds["gradient_accumulation_steps"], choices["zero_stage"], dtype.itemsize, choices,
-                   cfg.ds_config if "ds_config" in explicit else None, ring)
+                   cfg.parallel.ds_config if "ds_config" in explicit else None, ring)
 
 
 def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[int] = None,
@@ -111,12 +112,12 @@ def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[in
     sp, levers, micro = sp or c.sp, levers or c.levers, micro or c.micro
     accum = c.micro * c.accum // micro
     cfg = c.cfg
-    pairs = cfg.method != "sft"  # preference rows: tools/preference_plan.py
-    memory = estimate(c.g, micro * cfg.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.loss_chunk_size,
-                      tile_tokens=cfg.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes,
+    pairs = cfg.pref.method != "sft"  # preference rows: tools/preference_plan.py
+    memory = estimate(c.g, micro * cfg.data.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.levers.loss_chunk_size,
+                      tile_tokens=cfg.levers.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes,
                       ring=c.ring if sp == c.sp else 1, pairs=pairs)
-    docs = pair_documents(cfg.seq_len, cfg.max_length or cfg.seq_len // 2, micro) if pairs else None
-    run = Run(c.g, cfg.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage, docs=docs,
+    docs = pair_documents(cfg.data.seq_len, cfg.pref.max_length or cfg.data.seq_len // 2, micro) if pairs else None
+    run = Run(c.g, cfg.data.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage, docs=docs,
               act_bytes=c.act_bytes)
     time = preference_step_time(run, constants) if pairs else step_time(run, constants)
     sequences = machine.gpus // sp * micro * accum
@@ -133,9 +134,9 @@ def candidates(c: Command, machine: Machine, sp_sizes: Optional[list[int]] = Non
     optimizers = [{"offload_optimizer": False}] + ([] if c.ds_choices["bf16_states"]
                                                    else [{"offload_optimizer": True}])
     # a MoE has no dense MLP to tile; the adapters' dropout forbids tiling (levers/policy.py)
-    tiling = ("off",) if c.g["experts"] or LeverRequest.from_config(c.cfg).adapter_dropout else ("off", "on")
+    tiling = ("off",) if c.g["experts"] or c.cfg.lever_request().adapter_dropout else ("off", "on")
     for sp in sp_sizes or dims.valid_sp_sizes(machine.gpus, heads, kv):
-        if c.cfg.seq_len % sp and not c.cfg.pad_to_sp:
+        if c.cfg.data.seq_len % sp and not c.cfg.data.pad_to_sp:
             continue
         for micro in (m for m in range(1, batch + 1) if batch % m == 0):
             for keep in ("never", "always"):
@@ -143,7 +144,7 @@ def candidates(c: Command, machine: Machine, sp_sizes: Optional[list[int]] = Non
                     for tiled in tiling:
                         for optimizer in optimizers:
                             request = dataclasses.replace(
-                                LeverRequest.from_config(c.cfg), attn_recompute=keep, offload_activations=offload,
+                                c.cfg.lever_request(), attn_recompute=keep, offload_activations=offload,
                                 tiled_mlp=tiled, gradient_checkpointing=True, checkpoint_layers="auto")
                             yield sp, micro, request, {**c.ds_choices, **optimizer}
 
@@ -153,9 +154,9 @@ def fastest(c: Command, machine: Machine, constants: Constants, sp_sizes: Option
     of its kind: each layer not checkpointed saves its recompute), the ones that fit sorted by time per sequence."""
     plans, seen = [], set()
     for sp, micro, request, choices in candidates(c, machine, sp_sizes):
-        fits_here = fits_on(c.g, c.cfg.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
+        fits_here = fits_on(c.g, c.cfg.data.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
                             micro, c.act_bytes)
-        levers = resolve_levers(request, c.g, micro * math.ceil(c.cfg.seq_len / sp), c.act_bytes, machine.device(),
+        levers = resolve_levers(request, c.g, micro * math.ceil(c.cfg.data.seq_len / sp), c.act_bytes, machine.device(),
                                 choices, fits_here)
         key = (sp, micro, levers)
         if key in seen:
@@ -186,7 +187,8 @@ def _optimizer_changed(plan: Plan, c: Command) -> bool:
 def report(plan: Plan, c: Command, machine: Machine) -> str:
     """Memory and time of one run, part by part."""
     cfg, g = c.cfg, c.g
-    lines = [f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {cfg.seq_len:,} tokens, {machine.gpus} GPU(s) "
+    seq_len = cfg.data.seq_len
+    lines = [f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {seq_len:,} tokens, {machine.gpus} GPU(s) "
              f"(sp {plan.sp} x dp {machine.gpus // plan.sp}), micro {plan.micro} x accum {plan.accum}, kernel "
              f"{c.kernel}",
              f"levers: {plan.levers.flags(c.ds_config)}, fused kernels {plan.levers.fused_kernels}, checkpointed layers "
@@ -196,7 +198,7 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
              f"{'fits' if plan.fits else 'does not fit'}"]
     lines += [f"  {k:<24}{v / GiB:8.1f} GiB" for k, v in plan.memory["gpu"].items()]
     lines.append(f"time: {plan.time['total']:.2f} s per step ({plan.per_sequence:.2f} s per sequence, "
-                 f"{machine.gpus // plan.sp * plan.micro * plan.accum * cfg.seq_len / plan.time['total']:,.0f} "
+                 f"{machine.gpus // plan.sp * plan.micro * plan.accum * seq_len / plan.time['total']:,.0f} "
                  f"tokens/s); communication {100 * plan.time['communication_share']:.1f}% of it")
     lines += [f"  {k:<32}{v:8.2f} s" for k, v in plan.time["parts"].items()]
     if c.ring > 1 and plan.sp == c.sp:
@@ -204,8 +206,8 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
                      f"time model yet)")
     lines.append(f"  {'overlapped copies, collectives':<32}" + ", ".join(
         f"{k} {v:.2f} s" for k, v in plan.time["overlapped"].items()))
-    if cfg.method != "sft":
-        lines += report_lines(cfg.method, cfg.max_length or cfg.seq_len // 2, plan.time, machine.gpus, plan.sp)
+    if cfg.pref.method != "sft":
+        lines += report_lines(cfg.pref.method, cfg.pref.max_length or seq_len // 2, plan.time, machine.gpus, plan.sp)
     return "\n".join(lines)
 
 

@@ -142,17 +142,18 @@ def preview(cfg, num_samples: int, color: bool, write=print) -> None:
 
     cfg.validate()
     preflight(cfg)
-    config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
-    seq_len, sp = verify_seq_len(cfg), cfg.sp_size or 1
-    ring = dims.resolve_ring_size(ring_size_number(cfg.ring_size) or "auto", sp, *attention_heads(config))
-    dims.validate(sp, sp, *attention_heads(config), {"seq_len": seq_len}, cfg.pad_to_sp, ring)
-    if cfg.dataset:
-        tokenizer, source = load_source(cfg, cfg.dataset, cfg.dataset_split, seq_len, config.vocab_size, 0, write)
+    config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
+    seq_len, sp = verify_seq_len(cfg), cfg.parallel.sp_size or 1
+    ring = dims.resolve_ring_size(ring_size_number(cfg.parallel.ring_size) or "auto", sp, *attention_heads(config))
+    dims.validate(sp, sp, *attention_heads(config), {"seq_len": seq_len}, cfg.data.pad_to_sp, ring)
+    if cfg.data.dataset:
+        tokenizer, source = load_source(cfg.data_settings(), cfg.data.dataset, cfg.data.dataset_split, seq_len,
+                                        config.vocab_size, 0, write)
     else:
         from ..data.corpus import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.tokenizer, cfg.model, need_eos=False) if cfg.model else None
-        source = SyntheticSource(config.vocab_size, seq_len, cfg.seed)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.base.model, need_eos=False) if cfg.base.model else None
+        source = SyntheticSource(config.vocab_size, seq_len, cfg.data.seed)
     renderer = Renderer(tokenizer, color, sp, ring)
     legend = "trained tokens in colour" if color else "[[trained tokens]]"
     layout = f"--sp_size {sp}" + (f", --ring_size {ring}" if ring > 1 else "")
@@ -160,13 +161,14 @@ def preview(cfg, num_samples: int, color: bool, write=print) -> None:
           f"padding, ‹rank R› where SP rank R's shard starts ({layout})")
     total = source.num_samples if source.num_samples is not None else num_samples
     for index in range(min(num_samples, total)):
-        stored = sample_order(index, source.num_samples, cfg.seed)
+        stored = sample_order(index, source.num_samples, cfg.data.seed)
         where = f"sample {stored}"
         if hasattr(source, "locate"):  # a mixture: which dataset, which of its samples
             entry, local = source.locate(stored)
             where += f" (dataset {entry + 1}, its sample {local})"
         row = Row(*source.get(stored))
-        write(renderer.sample(build_batch([row], cfg.packing), row.valid, f"=== trained #{index + 1}: {where} ==="))
+        batch = build_batch([row], cfg.data.packing)
+        write(renderer.sample(batch, row.valid, f"=== trained #{index + 1}: {where} ==="))
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ folder's lock, the launcher variables it set for a single process), so the inter
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import logging
@@ -55,7 +56,7 @@ class TrainResult:
 
     @property
     def output_dir(self) -> str:
-        return self.config.output_dir
+        return self.config.output.output_dir
 
 
 def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **overrides) -> TrainResult:
@@ -74,7 +75,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_libraries()
-    cfg = dataclasses.replace(cfg)  # the run resolves some settings in place (--epochs); the caller's stays
+    cfg = copy.deepcopy(cfg)  # the run resolves some settings in place (--epochs); the caller's stays
     result = TrainResult(cfg)
     with launcher_environment():
         try:
@@ -84,7 +85,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
                 print(e, flush=True)
             return dataclasses.replace(result, checkpoint=e.checkpoint, message=str(e))
         try:
-            if cfg.verify:
+            if cfg.check.verify:
                 from .verify import run_verify
 
                 result.verify = run_verify(trainer)
@@ -105,7 +106,7 @@ def _say_done(trainer, result: TrainResult) -> None:
     history = result.history
     if trainer.rank == 0 and history:
         print(f"done: {history[-1]['step']} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}, "
-              f"metrics in {os.path.join(trainer.cfg.output_dir, 'metrics.jsonl')}", flush=True)
+              f"metrics in {os.path.join(trainer.cfg.output.output_dir, 'metrics.jsonl')}", flush=True)
 
 
 @contextlib.contextmanager

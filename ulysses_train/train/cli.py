@@ -65,12 +65,12 @@ def _interrupted(signal_name: str, rank: int) -> int:
 
 def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
     text = traceback.format_exc()
-    debug = cfg is not None and cfg.debug
+    debug = cfg is not None and cfg.log.debug
     if _peer_failure(error):  # not the cause: a peer's message says what happened
         if debug:
             print(f"[rank {rank}] stopped: a peer rank went away\n{text}", file=sys.stderr, flush=True)
         return
-    where = os.path.join(cfg.output_dir, "errors", f"rank_{rank}.txt") if cfg is not None else None
+    where = os.path.join(cfg.output.output_dir, "errors", f"rank_{rank}.txt") if cfg is not None else None
     try:
         if where:
             os.makedirs(os.path.dirname(where), exist_ok=True)

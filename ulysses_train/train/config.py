@@ -1,10 +1,11 @@
-"""Typed run configuration: every command-line flag is a field here, with its help text, and every check that can
-be made before any process group exists is made in `TrainConfig.validate`, so that bad settings fail on every rank
-the same way, before any work, with a message that names the flag to change."""
-
-from __future__ import annotations
+"""The run configuration: `TrainConfig`, composed of the groups of train/config_groups.py (`cfg.data.seq_len`,
+`cfg.optim.lr`, ...), and everything that reads it: every check that can be made before any process group exists
+(`TrainConfig.validate`, so that bad settings fail on every rank the same way, before any work, with a message that
+names the flag to change), the parser (flat flags, each group a section of `--help`), YAML files (flat or grouped),
+the resolved `config.yaml` (grouped) and the Python API's dicts and TrainConfigs, all read alike."""
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -14,381 +15,196 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import ConfigError
-
+from ..data.load import DataSettings
 from ..data.messages import parse_role_map
 from ..data.mixture import dataset_entries
-from ..data.sft import DATA_FORMATS, LOSS_ON, TRUNCATION
-from ..levers.policy import ATTN_RECOMPUTE, AUTO_ON_OFF, LOSS_KERNELS, LOSS_KINDS
-from ..levers.preference_loss import LOSS_TYPES, METHODS
-from ..levers.rope import ROPE_SCALINGS
-from ..sp.kernels import ATTN_KERNELS
-from ..sp.linear_kernel import LINEAR_KERNELS
+from ..errors import ConfigError
+from ..levers.policy import LeverRequest
 from . import aliases
+from .config_groups import (FLAGS, GROUPS, AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
+                            OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
 from .ds_config import load_ds_config
-from .metrics import PROGRESS
-from .schedule import LR_SCHEDULES
-
-DTYPES = ("auto", "bf16", "fp32")
-LEAN_NORM = (*AUTO_ON_OFF, "true", "false")  # true and false as when the flag was a switch
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _f(default, help: str, choices=None, **kw):
-    return field(default=default, metadata={"help": help, "choices": choices, **kw})
 
 
 @dataclass
 class TrainConfig:
-    # ---- model ----
-    model: Optional[str] = _f(None, "Local folder or hub id of a pretrained causal LM (weights and tokenizer are "
-                                    "loaded from it). Mutually exclusive with --model_config.")
-    model_config: Optional[str] = _f(None, "Random initialisation from a preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, "
-                                           "qwen3-30b-a3b) or a config.json path. Default: tiny, when --model is not given.")
-    num_layers: Optional[int] = _f(None, "Override the number of decoder layers of --model_config (for benchmarks at "
-                                         "reduced depth).")
-    attn_kernel: str = _f("auto", "Local attention kernel run inside the Ulysses all-to-all. auto: flash_attn_4 "
-                                  "where it runs (package flash-attn-4 installed, compute capability 9.0+, bf16/fp16), "
-                                  "else sdpa (cuDNN on Hopper).", ATTN_KERNELS)
-    # ---- parallelism ----
-    sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
-                                      "world size; the rest is data parallel. Default: the ranks on one node.")
-    ring_size: str = _f("1", "Ring attention degree inside each SP group: --sp_size ranks run as Ulysses (sp / ring "
-                             "consecutive ranks split the heads) x ring (K/V blocks passed around, zigzag balanced, "
-                             "exact, packing kept). A ring lifts the head-count limit (28 heads at --sp_size 8: "
-                             "--ring_size 2). auto: the largest Ulysses degree the heads allow.")
-    # ---- data ----
-    dataset: Optional[str] = _f(None, "Training data: a hub id (datasets.load_dataset) or a local file/folder of .txt "
-                                      "(one file = one document), .jsonl/.json, .parquet, .arrow, or a save_to_disk "
-                                      "folder. Given several times (or as a YAML list), a mixture: each entry a path "
-                                      "or a JSON object {path, split, weight | samples, data_format, text_column, "
-                                      "messages_field, role_map} (README: Data). Default: generated tokens (the "
-                                      "embedded default).", repeated=True)
-    dataset_split: str = _f("train", "Split of --dataset.")
-    eval_dataset: Optional[str] = _f(None, "Validation data, in any form --dataset takes (the same format flags "
-                                           "apply): its loss, at --seq_len under SP, goes to metrics.jsonl and the "
-                                           "trackers every --eval_steps and after the last step.")
-    eval_split: Optional[str] = _f(None, "Split of --eval_dataset. Default: --dataset_split.")
-    eval_steps: int = _f(0, "Evaluate every N optimizer steps (0: only after the last step).")
-    eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of --eval_dataset. Default: all.")
-    text_column: Optional[str] = _f(None, "Column holding the text. Default: 'text'.")
-    streaming: bool = _f(False, "Stream a hub dataset instead of downloading it whole (with --max_tokens).")
-    max_tokens: Optional[int] = _f(None, "Stop reading the corpus after this many tokens.")
-    tokenizer: Optional[str] = _f(None, "'bytes' (byte-level, 259 ids, offline), a tokenizer path/hub id, or by "
-                                        "default the --model's own (bytes when there is no --model).")
-    num_proc: Optional[int] = _f(None, "Processes for tokenizing (datasets.map).")
-    last_sample: str = _f("drop", "The corpus's last partial sample: drop it, or pad it (padding is not trained on).",
-                          ("drop", "pad"))
-    packing: bool = _f(False, "Keep document boundaries inside a sample: positions restart at each document and "
-                              "attention never crosses one (also under sequence parallelism). Conversations: pack "
-                              "whole ones into each sample (first-fit decreasing) instead of one per sample.")
-    data_format: str = _f("auto", "What --dataset holds. messages: a list of {role, content} per row, rendered with "
-                                  "the chat template; prompt_completion: prompt and completion strings or message "
-                                  "lists; tokens: input_ids, with optional labels or assistant_masks; text: raw text. "
-                                  "auto: from the columns, in that order.", DATA_FORMATS)
-    messages_field: Optional[str] = _f(None, "The column holding each row's message list, for layouts other than "
-                                             "`messages` and ShareGPT's `conversations` (both detected).")
-    role_map: Optional[str] = _f(None, "The data's roles -> the chat template's, as from=to pairs with commas (or a "
-                                       "mapping in YAML), over the defaults human=user, gpt=assistant, "
-                                       "observation=tool, function_call=assistant (a tool call) (README: Data).")
-    chat_template: Optional[str] = _f(None, "A Jinja chat template file for messages data, instead of the "
-                                            "tokenizer's own. Its {%% generation %%} markers, if any, say what is "
-                                            "trained; otherwise assistant turns are found by rendering growing "
-                                            "prefixes of each conversation.")
-    loss_on: str = _f("auto", "Which tokens are trained. assistant: every assistant turn (content and end-of-turn "
-                              "token); completion: what the completion adds to the prompt; all: every token. auto: "
-                              "assistant for messages, completion for prompt/completion, all for text, and for "
-                              "tokens their labels or assistant_masks.", LOSS_ON)
-    truncation: str = _f("error", "A conversation longer than --seq_len: error (the message gives how many and the "
-                                  "longest), left (keep its end) or right (keep its start).", TRUNCATION)
-    data_cache_dir: str = _f(os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"),
-                             "Where the tokenized corpus arrays are cached (keyed by the data and tokenizer).")
-    pad_to_sp: bool = _f(False, "Pad sequences to a multiple of --sp_size (padding not trained on) instead of "
-                                "failing when --seq_len is not one.")
-    seq_len: int = _f(1024, "Tokens per sequence (one sample). Must be a multiple of --sp_size.")
-    micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step. Default: the DS config's "
-                                               "train_micro_batch_size_per_gpu, else 1.")
-    grad_accum: Optional[int] = _f(None, "Micro-steps per optimizer step. Default: the DS config's "
-                                         "gradient_accumulation_steps, else 1.")
-    seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.")
-    # ---- optimisation ----
-    steps: int = _f(30, "Optimizer steps to run.")
-    lr: Optional[float] = _f(None, "Peak learning rate. Default: the DS config's optimizer lr, else 1e-3 for random "
-                                   "init and 1e-5 for a pretrained --model.")
-    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
-    warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: --warmup_ratio, else 10%% of --steps.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables). Default: the DS config's "
-                                              "gradient_clipping, else 1.0.")
-    dtype: str = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.", DTYPES)
-    epochs: Optional[float] = _f(None, "Passes over --dataset: --steps becomes ceil(epochs x samples / (micro batch x "
-                                       "grad_accum x data-parallel size)). A --steps given as well wins (as "
-                                       "max_steps does in transformers).")
-    lr_scheduler_type: str = _f("cosine", "The lr after the warmup: cosine or linear decay from --lr to --lr x "
-                                          "--min_lr_ratio at the last step, or constant_with_warmup.", LR_SCHEDULES)
-    warmup_ratio: Optional[float] = _f(None, "Warmup as a fraction of --steps (rounded up), unless --warmup_steps "
-                                             "is given and > 0.")
-    adam_beta1: float = _f(0.9, "AdamW's beta1 (a --ds_config optimizer block's \"auto\" betas take it).")
-    adam_beta2: float = _f(0.95, "AdamW's beta2 (transformers' default is 0.999; 0.95 is the usual choice for "
-                                 "LLM training).")
-    adam_epsilon: float = _f(1e-8, "AdamW's epsilon (a --ds_config optimizer block's \"auto\" eps takes it).")
-    # ---- preference training (train/preference.py) ----
-    method: str = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference Optimization "
-                            "on prompt/chosen/rejected pairs against the reference (the initial weights; their "
-                            "log-probs computed once per dataset under SP and cached beside the tokens). simpo, "
-                            "orpo: reference-free (README: \"Preference training\").", METHODS)
-    beta: float = _f(0.1, "The preference loss's beta (TRL's): DPO's KL weight, SimPO's reward scale, ORPO's "
-                          "odds-ratio weight.")
-    loss_type: str = _f("sigmoid", "DPO's loss, as TRL names it: sigmoid (DPO), ipo (IPO, per-token means), hinge "
-                                   "(SLiC).", LOSS_TYPES)
-    simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma (TRL's simpo_gamma).")
-    max_length: Optional[int] = _f(None, "Preference pairs: the most tokens of one side (prompt + completion), TRL's "
-                                         "max_length; a longer side is an error or cut by --truncation (left: the "
-                                         "prompt's start, right: the completions' ends). Default: --seq_len / 2 (a "
-                                         "row of --seq_len holds both sides of a pair).")
-    # ---- memory levers ----
-    linear_kernel: str = _f("auto", "Kernel of the Gated DeltaNet layers' recurrence (Qwen3.5, Qwen3-Next). fla: "
-                                    "flash-linear-attention's (CUDA; pip install -e \".[fla]\"; on Hopper with "
-                                    "Triton < 3.7.1 it needs tilelang too). torch: transformers' reference, any "
-                                    "device, much slower on a GPU. auto: fla where it runs and agrees with torch in a "
-                                    "self-check at start-up, else torch (the reason logged).", LINEAR_KERNELS)
-    loss: str = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the forward, so the "
-                            "full logits never exist. plain: the ordinary loss, for comparison.", LOSS_KINDS)
-    loss_kernel: str = _f("auto", "Whose fused loss runs. liger: Liger-Kernel's fused linear cross-entropy (1.7x "
-                                  "faster than ours on the H200; it picks its own chunks, about tokens x hidden "
-                                  "logits). ours: ulysses_train's, chunked by --loss_chunk_size, on any device. "
-                                  "auto: liger on CUDA when liger-kernel is installed and agrees with ours in a "
-                                  "self-check at start-up, else ours (the reason logged).", LOSS_KERNELS)
-    loss_chunk_size: int = _f(4096, "Rows per chunk of our fused loss (--loss_kernel ours; peak loss memory ~ chunk "
-                                    "x vocab x 6 bytes in bf16).")
-    gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
-    checkpoint_layers: str = _f("all", "How many decoder layers are checkpointed: the first N (0 to the model's "
-                                       "depth); the others keep their activations, which costs memory and saves "
-                                       "their recompute. all: every layer. auto: the fewest checkpointed layers with "
-                                       "which the planner's memory estimate fits the device (python -m "
-                                       "ulysses_train.plan prints it; every layer on the CPU).")
-    attn_recompute: str = _f("auto", "never: keep each layer's attention output and log-sum-exp from the forward, so "
-                                     "the recompute skips the attention kernel (costs layers x seq/sp x hidden x 2 "
-                                     "bytes; on the host with --offload_activations). always: plain checkpointing. "
-                                     "auto: keep while that takes under 15%% of the device memory, or with "
-                                     "--offload_activations while it and the checkpoints take under half the "
-                                     "host memory.", ATTN_RECOMPUTE)
-    tiled_mlp: str = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, recomputed per tile in "
-                                "backward, so its seq x intermediate tensors never exist whole. auto: on when one "
-                                "such tensor would exceed 2 GiB.", AUTO_ON_OFF)
-    mlp_tile_tokens: int = _f(16384, "Tokens per MLP tile (per rank).")
-    share_master_weights: bool = _f(True, "ZeRO-3 with master weights in the model's dtype (bf16 states, or fp32): "
-                                          "the optimizer updates the model's partition in place instead of a copy "
-                                          "of it (2 bytes per parameter less in bf16; the same numbers).")
-    lean_norm: str = _f("auto", "Llama-style RMSNorms save their input in the model dtype and one fp32 number per "
-                                "row for the backward, instead of an fp32 copy of the input (4 bytes less per "
-                                "element in bf16; the same forward, bit for bit). auto: on where the model has "
-                                "such norms. on (true): required. off (false): transformers' norms.", LEAN_NORM)
-    fused_kernels: str = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the rotary embedding "
-                                    "and the SwiGLU product: one kernel each way instead of up to seven small ones "
-                                    "(docs/benchmarks.md). auto: on for CUDA devices with Triton installed, if a "
-                                    "self-check against the ops they replace passes (else those ops, the reason "
-                                    "logged). on: required. off: transformers' ops.",
-                            AUTO_ON_OFF)
-    rope_scaling: str = _f("none", "yarn: YaRN rescaling of rotary positions for sequences past the model's "
-                                   "pretrained length; rope_theta and that length are read from the model config.",
-                           ROPE_SCALINGS)
-    rope_factor: Optional[float] = _f(None, "YaRN factor. Default: --seq_len / the model's pretrained length.")
-    rope_theta: Optional[float] = _f(None, "Only as a check: must equal the model's rope_theta (it is read from "
-                                           "the model config).")
-    rope_original_max_positions: Optional[int] = _f(None, "Only as a check: must equal the model's pretrained "
-                                                          "length (read from the model config).")
-    offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
-                                          "prefetched back one layer ahead of the backward (GPU only).")
-    # ---- adapters: LoRA and QLoRA with PEFT, TRL's flag names (model/adapters.py) ----
-    use_peft: bool = _f(False, "Train LoRA adapters (PEFT) on the frozen model instead of every weight: only the "
-                               "adapters and --lora_modules_to_save get gradients, optimizer states and checkpoint "
-                               "space. Exact under SP and ZeRO-3 (--verify compares with transformers + PEFT).")
-    lora_r: int = _f(16, "LoRA rank (with --use_peft).")
-    lora_alpha: int = _f(32, "LoRA alpha: the adapter's update is scaled by alpha / r (with --use_peft).")
-    lora_dropout: float = _f(0.0, "Dropout on each LoRA layer's input (with --use_peft; 0: none, the run is "
-                                  "deterministic and --verify can check it).")
-    lora_target_modules: str = _f("all-linear", "Modules that get adapters: comma-separated names (matched as PEFT "
-                                                "does: the module's name or its last components, e.g. q_proj,v_proj; "
-                                                "lm_head too), or all-linear: every linear layer of the decoder, not "
-                                                "the LM head.")
-    lora_modules_to_save: Optional[str] = _f(None, "Modules trained whole beside the adapters and saved with them "
-                                                   "(PEFT's modules_to_save: a module whose name ends with the "
-                                                   "string), e.g. embed_tokens,lm_head,norm; norm takes every "
-                                                   "RMSNorm (LongLoRA's trainable embeddings and norms).")
-    load_in_4bit: bool = _f(False, "QLoRA: the frozen base in bitsandbytes' 4-bit NF4, computing in bf16 (with "
-                                   "--use_peft and a pretrained --model; CUDA and bitsandbytes only).")
-    # ---- DeepSpeed / output ----
-    ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
-                        "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags above.")
-    save_steps: int = _f(0, "Save a checkpoint every N optimizer steps (0: only the final one and on SIGTERM).")
-    save_final: bool = _f(True, "Save a checkpoint after the last step, so that a finished run leaves its weights.")
-    save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints (the one just written "
-                                               "always among them).")
-    resume: Optional[str] = _f(None, "auto: continue from the newest intact checkpoint in <output_dir> (start "
-                                     "fresh if there is none); or a checkpoint path (a rollback: the newer "
-                                     "checkpoints move to <output_dir>/checkpoints/abandoned/).")
-    resume_override: Optional[str] = _f(None, "Comma-separated settings that may differ from the resumed "
-                                              "checkpoint's, e.g. lr,steps (the new values apply; the lr schedule "
-                                              "becomes the one the new flags give). Without it a setting that "
-                                              "changes what is trained is an error naming each difference.")
-    overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds another run's checkpoints: "
-                                           "removes its checkpoints/, metrics.jsonl and tensorboard/.")
-    skip_nonfinite: bool = _f(False, "Skip an optimizer step whose loss is NaN/inf instead of stopping the run "
-                                     "(needs --grad_accum 1).")
-    output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
-    tensorboard: bool = _f(False, "Also write the metrics to TensorBoard under <output_dir>/tensorboard (the same as "
-                                  "adding tensorboard to --report_to).")
-    report_to: str = _f("none", "Experiment trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, "
-                                "mlflow (or none). They work offline, into <output_dir>, unless WANDB_MODE / an API "
-                                "key or MLFLOW_TRACKING_URI point elsewhere (train/tracking.py); wandb and mlflow "
-                                "come with the [track] extra.")
-    config: Optional[str] = _f(None, "A YAML file whose keys are these flags (without --); the command line "
-                                     "overrides it. The resolved settings are written to <output_dir>/config.yaml.")
-    log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).")
-    progress: str = _f("auto", "Rank 0's progress: bar (a progress bar, the step lines above it), lines (the step "
-                               "lines alone: `grep '^step'` finds them in a redirected log), none (neither). auto: "
-                               "bar when stderr is a terminal, else lines.", PROGRESS)
-    verify: bool = _f(False, "Check this run against plain transformers instead of training: one step of the run as "
-                             "configured (every flag applies) at --verify_seq_len, its loss and every parameter's "
-                             "gradient compared with a single-process transformers reference on the same weights "
-                             "and tokens, in fp32 and in the run's dtype. Prints a table and the verdict; exit code "
-                             "0 within tolerance, 1 outside it (README: \"Is my run exact?\").")
-    verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).")
-    dist_timeout: float = _f(600.0, "Seconds a rank may go without a heartbeat before it is named frozen and every "
-                                    "rank stops with exit code 3 (the heartbeat runs beside the training loop, so "
-                                    "long steps never trip it; see train/watchdog.py).")
-    debug: bool = _f(False, "Print full tracebacks of unexpected errors (they always go to "
-                            "<output_dir>/errors/rank_N.txt).")
-    profile_memory: int = _f(0, "Record memory for the first N steps: <output_dir>/memory/memory.png (stacked by "
-                                "category), memory.json and, on CUDA, PyTorch's snapshot.pickle. Slows those steps.")
+    """Every setting of a run, by concern. Construct it with the groups you change, e.g.
+    `TrainConfig(optim=OptimConfig(lr=1e-4), data=DataConfig(seq_len=4096))`, or from flat flag names with
+    `TrainConfig.from_flags({"lr": 1e-4})`. `to_dict()` is flat (flag -> value: checkpoints' trainer_state.json and
+    the resume comparison); `grouped()` is nested (group -> flag -> value: `<output_dir>/config.yaml`)."""
 
-    def validate(self) -> None:
-        """All checks that need neither a model nor a process group."""
-        if self.model and self.model_config:
-            raise ConfigError("--model and --model_config are mutually exclusive: give one of them")
-        for name in ("seq_len", "steps", "loss_chunk_size", "log_every", "mlp_tile_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("sp_size", "micro_batch_size", "grad_accum", "num_layers", "max_tokens", "num_proc",
-                     "save_total_limit", "verify_seq_len", "eval_samples"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"--{name} must be positive, got {value}")
-        ring_size_number(self.ring_size)
-        from .tracking import parse_report_to
+    base: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    pref: PreferenceConfig = field(default_factory=PreferenceConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    levers: LeverConfig = field(default_factory=LeverConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    check: VerifyConfig = field(default_factory=VerifyConfig)
 
-        parse_report_to(self.report_to, self.tensorboard)  # an unknown tracker or a missing package, named now
-        if not self.dist_timeout > 0:
-            raise ConfigError(f"--dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
-        if self.eval_steps < 0:
-            raise ConfigError(f"--eval_steps must be >= 0, got {self.eval_steps}")
-        if not self.eval_dataset and (self.eval_steps or self.eval_samples or self.eval_split):
-            raise ConfigError("--eval_steps, --eval_samples and --eval_split need --eval_dataset")
-        if self.save_steps < 0:
-            raise ConfigError(f"--save_steps must be >= 0, got {self.save_steps}")
-        self._validate_resume()
-        self._validate_adapters()
-        self._validate_checkpoint_layers()
-        if self.streaming and not self.dataset:
-            raise ConfigError("--streaming needs --dataset")
-        for name, default in (("data_format", "auto"), ("chat_template", None), ("loss_on", "auto"),
-                              ("truncation", "error"), ("messages_field", None), ("role_map", None)):
-            if getattr(self, name) != default and not self.dataset:
-                raise ConfigError(f"--{name} needs --dataset (generated tokens train every token)")
-        if self.dataset:
-            dataset_entries(self.dataset)  # a mixture's entries: their keys and shares
-        parse_role_map(self.role_map)
-        from .preference import check_preference_flags
+    def __post_init__(self):
+        for name, cls in GROUPS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"TrainConfig.{name} takes a {cls.__name__}, not {type(getattr(self, name)).__name__}")
 
-        check_preference_flags(self)  # --method, --beta, --loss_type, --simpo_gamma, --max_length
-        for f in dataclasses.fields(self):  # nan passes every comparison below, so it is refused first
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"--{f.name} must be a finite number, got {value}")
-        if self.lr is not None and self.lr <= 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}: it is the fraction of "
-                              f"--lr the cosine decay ends at")
-        for name in ("weight_decay", "max_grad_norm"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        self._validate_schedule()
-        if self.epochs is None:  # else the trainer checks once the data has said how many steps they are
-            self.check_steps()
-        load_ds_config(self.ds_config)  # exists, is JSON, and every top-level key is one DeepSpeed reads
+    @classmethod
+    def from_flags(cls, values: dict) -> "TrainConfig":
+        """A config from flat flag names (the defaults for the others)."""
+        unknown = [name for name in values if name not in FLAGS]
+        if unknown:
+            raise TypeError(f"TrainConfig has no flag {', '.join(map(repr, unknown))}")
+        groups: dict[str, dict] = {name: {} for name in GROUPS}
+        for name, value in values.items():
+            groups[FLAGS[name].group][name] = value
+        return cls(**{name: GROUPS[name](**given) for name, given in groups.items()})
 
-    def check_steps(self) -> None:
-        """The checks against --steps (given, or made from --epochs)."""
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
-            raise ConfigError(f"--warmup_steps must be in [0, --steps={self.steps}], got {self.warmup_steps}")
-        if self.profile_memory < 0 or self.profile_memory > self.steps:
-            raise ConfigError(f"--profile_memory must be in [0, --steps={self.steps}], got {self.profile_memory}")
+    def with_flags(self, **flags) -> "TrainConfig":
+        """A copy with these flags (flat names) changed."""
+        return TrainConfig.from_flags({**self.to_dict(), **flags})
 
-    def _validate_schedule(self) -> None:
-        if self.epochs is not None and not self.epochs > 0:
-            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
-        if self.epochs is not None and not self.dataset:
-            raise ConfigError("--epochs needs --dataset (generated tokens never end: give --steps)")
-        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
-            raise ConfigError(f"--warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.adam_epsilon > 0:
-            raise ConfigError(f"--adam_epsilon must be positive, got {self.adam_epsilon}")
+    def get(self, flag: str):
+        """A flag's value by its flat name (ds_config.py reconciles flags by name)."""
+        return getattr(getattr(self, FLAGS[flag].group), flag)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: copy.deepcopy(self.get(name)) for name in FLAGS}
+
+    def grouped(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in GROUPS}
+
+    def data_settings(self):
+        """What data/ reads of this config (data/load.py DataSettings)."""
+        return DataSettings(self.data, self.sft, self.pref, self.base.model,
+                            "--verify_seq_len" if self.check.verify else "--seq_len")
+
+    def lever_request(self) -> LeverRequest:
+        """What levers/ reads of this config: the levers group, and the adapters' dropout (random masks that a
+        recompute must repeat)."""
+        return LeverRequest.from_config(self.levers, self.adapters.lora_dropout if self.adapters.use_peft else 0.0)
 
     def overrides(self) -> set[str]:
         """The settings --resume_override names."""
-        return {name.strip() for name in (self.resume_override or "").split(",") if name.strip()}
+        return {name.strip() for name in (self.output.resume_override or "").split(",") if name.strip()}
+
+    def validate(self) -> None:
+        """All checks that need neither a model nor a process group."""
+        base, data, sft, optim = self.base, self.data, self.sft, self.optim
+        check_bounds(self)
+        if base.model and base.model_config:
+            raise ConfigError("--model and --model_config are mutually exclusive: give one of them")
+        ring_size_number(self.parallel.ring_size)
+        from .tracking import parse_report_to
+
+        parse_report_to(self.log.report_to, self.log.tensorboard)  # an unknown tracker or a missing package
+        if not self.eval.eval_dataset and (self.eval.eval_steps or self.eval.eval_samples or self.eval.eval_split):
+            raise ConfigError("--eval_steps, --eval_samples and --eval_split need --eval_dataset")
+        self._validate_resume()
+        self._validate_adapters()
+        self._validate_checkpoint_layers()
+        if data.streaming and not data.dataset:
+            raise ConfigError("--streaming needs --dataset")
+        for group, name, default in ((data, "data_format", "auto"), (sft, "chat_template", None),
+                                     (sft, "loss_on", "auto"), (sft, "truncation", "error"),
+                                     (data, "messages_field", None), (data, "role_map", None)):
+            if getattr(group, name) != default and not data.dataset:
+                raise ConfigError(f"--{name} needs --dataset (generated tokens train every token)")
+        if data.dataset:
+            dataset_entries(data.dataset)  # a mixture's entries: their keys and shares
+        parse_role_map(data.role_map)
+        from .preference import check_preference_flags
+
+        check_preference_flags(self)  # --method, --beta, --loss_type, --simpo_gamma, --max_length
+        if optim.epochs is not None and not data.dataset:
+            raise ConfigError("--epochs needs --dataset (generated tokens never end: give --steps)")
+        if optim.epochs is None:  # else the trainer checks once the data has said how many steps they are
+            self.check_steps()
+        load_ds_config(self.parallel.ds_config)  # exists, is JSON, and every top-level key is one DeepSpeed reads
+
+    def check_steps(self) -> None:
+        """The checks against --steps (given, or made from --epochs)."""
+        steps, warmup, profile = self.optim.steps, self.optim.warmup_steps, self.log.profile_memory
+        if warmup is not None and not 0 <= warmup <= steps:
+            raise ConfigError(f"--warmup_steps must be in [0, --steps={steps}], got {warmup}")
+        if profile > steps:
+            raise ConfigError(f"--profile_memory must be in [0, --steps={steps}], got {profile}")
 
     def _validate_checkpoint_layers(self) -> None:
-        value = self.checkpoint_layers
+        value = self.levers.checkpoint_layers
         if value not in ("all", "auto") and not (value.isdigit()):
             raise ConfigError(f"--checkpoint_layers must be all, auto or a number of layers >= 0, got {value!r}")
-        if not self.gradient_checkpointing and value not in ("all", "0"):
+        if not self.levers.gradient_checkpointing and value not in ("all", "0"):
             raise ConfigError(f"--checkpoint_layers {value} needs --gradient_checkpointing true (false checkpoints "
                               f"no layer)")
 
     def _validate_adapters(self) -> None:
         """The adapter flags (model/adapters.py checks the module names against the model, and the device)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        if not self.use_peft:
-            given = [n for n in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-                                 "lora_modules_to_save", "load_in_4bit") if getattr(self, n) != defaults[n]]
+        adapters = self.adapters
+        if not adapters.use_peft:
+            given = [f.name for f in dataclasses.fields(adapters)
+                     if getattr(adapters, f.name) != getattr(AdapterConfig(), f.name)]
             if given:
                 raise ConfigError(f"--{given[0]} configures adapters: add --use_peft")
             return
-        if self.lora_r <= 0 or self.lora_alpha <= 0:
-            raise ConfigError(f"--lora_r and --lora_alpha must be positive, got {self.lora_r} and {self.lora_alpha}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.load_in_4bit and not self.model:
+        if adapters.load_in_4bit and not self.base.model:
             raise ConfigError("--load_in_4bit quantizes pretrained weights: give --model (a random initialisation "
                               "has none)")
-        if self.load_in_4bit and self.dtype == "fp32":
+        if adapters.load_in_4bit and self.base.dtype == "fp32":
             raise ConfigError("--load_in_4bit computes in bf16: drop --dtype fp32")
-        if self.verify and self.lora_dropout:
+        if self.check.verify and adapters.lora_dropout:
             raise ConfigError("--verify compares one step with a reference on the same tokens: dropout draws other "
                               "masks there; verify with --lora_dropout 0")
 
     def _validate_resume(self) -> None:
-        if self.resume_override and not self.resume:
+        output = self.output
+        if output.resume_override and not output.resume:
             raise ConfigError("--resume_override needs --resume (auto or a checkpoint path)")
-        if self.overwrite_output_dir and self.resume:
+        if output.overwrite_output_dir and output.resume:
             raise ConfigError("--overwrite_output_dir starts afresh: it cannot be combined with --resume")
-        names = {f.name for f in dataclasses.fields(self)}
         for name in sorted(self.overrides()):
-            if name not in names:
+            if name not in FLAGS:
                 raise ConfigError(f"--resume_override {name}: no such setting (give flag names without --, "
                                   f"e.g. lr,steps)")
             if name in FREE_SETTINGS:
                 raise ConfigError(f"--resume_override {name}: {name} never needs an override (it does not change "
                                   f"what is trained)")
+
+
+def check_bounds(cfg: TrainConfig) -> None:
+    """Every number against its field's bounds (`_f`'s gt/ge/lt/le), after refusing nan and inf everywhere (nan
+    passes every comparison); None is an unset default and passes."""
+    values = [(name, cfg.get(name), flag) for name, flag in FLAGS.items()]
+    for name, value, _ in values:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{name} must be a finite number, got {value}")
+    for name, value, flag in values:
+        bounds = flag.field.metadata["bounds"]
+        if value is None or not bounds:
+            continue
+        gt, ge, lt, le = (bounds.get(k) for k in ("gt", "ge", "lt", "le"))
+        if ((gt is None or value > gt) and (ge is None or value >= ge) and (lt is None or value < lt)
+                and (le is None or value <= le)):
+            continue
+        why = flag.field.metadata["why"]
+        raise ConfigError(f"--{name} must be {_describe(bounds)}, got {value}" + (f": {why}" if why else ""))
+
+
+_SIGNS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def _describe(bounds: dict) -> str:
+    """gt=0: positive; ge=0: >= 0; both ends: an interval, [ or ( as the end is included or not."""
+    if bounds == {"gt": 0}:
+        return "positive"
+    if len(bounds) == 1:
+        (kind, limit), = bounds.items()
+        return f"{_SIGNS[kind]} {limit}"
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}"
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})"
+    return f"in {low}, {high}"
 
 
 # Settings that do not change what is trained: a resumed run may change them freely. Every other flag alters the
@@ -506,57 +322,65 @@ def dataset_entry(text: str):
 
 
 def _help(f: dataclasses.Field) -> str:
+    """A flag's help: its field's, its aliases, its default and its bounds."""
     names = [a.name for a in aliases.ALIASES if a.flag == f.name and a.convert is None]
     also = f" Also --{', --'.join(names)}." if names else ""
-    return f"{f.metadata['help']}{also} (default: {f.default})"
+    bounds = f"; {_describe(f.metadata['bounds'])}" if f.metadata["bounds"] else ""
+    return f"{f.metadata['help']}{also} (default: {f.default}{bounds})"
 
 
 def build_parser(raise_errors: bool = False) -> _Parser:
-    """Every flag of TrainConfig, with its aliases (aliases.py). No flag has a default in the parser: what was given
-    is what the namespace holds (parse_config adds the defaults), so a file and the command line can be layered."""
+    """Every flag of TrainConfig, with its aliases (aliases.py), in one section of --help per group (its title from
+    the group's docstring). No flag has a default in the parser: what was given is what the namespace holds
+    (_parse adds the defaults), so a file and the command line can be layered."""
     parser = _Parser(prog="launch/train.py", raise_errors=raise_errors, argument_default=argparse.SUPPRESS,
-                     description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine.")
+                     description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine. "
+                                 "A --config YAML file takes these flags flat (seq_len: 4096) or under their "
+                                 "group's key, in brackets below (data: {seq_len: 4096}).")
+    sections = {name: parser.add_argument_group(*_section(name, cls)) for name, cls in GROUPS.items()}
     actions = {}
-    for f in dataclasses.fields(TrainConfig):
-        kind = f.type if isinstance(f.type, type) else eval(f.type, {"Optional": Optional})  # noqa: S307
-        base = getattr(kind, "__args__", (kind,))[0]
-        kw = dict(help=_help(f), dest=f.name)
-        if f.metadata.get("choices"):
-            kw["choices"] = f.metadata["choices"]
-        if base is bool:
+    for name, flag in FLAGS.items():
+        kw = dict(help=_help(flag.field), dest=name)
+        if flag.choices:
+            kw["choices"] = flag.choices
+        if flag.type is bool:
             kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
         else:
-            kw["type"] = base
-        if f.metadata.get("repeated"):
+            kw["type"] = flag.type
+        if flag.field.metadata["repeated"]:
             kw.update(action=_Repeated, type=dataset_entry)
-        names = [a.name for a in aliases.ALIASES if a.flag == f.name and a.convert is None]
-        actions[f.name] = parser.add_argument(f"--{f.name}", *(f"--{n}" for n in names), **kw)
+        names = [a.name for a in aliases.ALIASES if a.flag == name and a.convert is None]
+        actions[name] = sections[flag.group].add_argument(f"--{name}", *(f"--{n}" for n in names), **kw)
     for alias in (a for a in aliases.ALIASES if a.convert is not None):
         target = actions[alias.flag]
-        parser.add_argument(f"--{alias.name}", action=_Alias, alias=alias, target=target, dest=f"alias:{alias.name}",
-                            nargs="?", const="true",
-                            metavar="VALUE", help=f"{alias.origin}'s name for --{alias.flag}: {alias.values}.")
+        sections[FLAGS[alias.flag].group].add_argument(
+            f"--{alias.name}", action=_Alias, alias=alias, target=target, dest=f"alias:{alias.name}", nargs="?",
+            const="true", metavar="VALUE", help=f"{alias.origin}'s name for --{alias.flag}: {alias.values}.")
     # launchers (deepspeed, older torch.distributed.launch) append --local_rank; the rank comes from the environment
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 
+def _section(name: str, cls: type) -> tuple[str, str]:
+    """A group's --help title and description: its docstring's first line, split at the colon."""
+    title, _, description = cls.__doc__.splitlines()[0].partition(": ")
+    return f"{title} [{name}]", description[:1].upper() + description[1:]
+
+
 def write_resolved_config(cfg: TrainConfig, folder: Optional[str] = None) -> str:
-    """Every setting of the run, defaults included, by its canonical name, as a file `--config` reads back:
-    `<folder>/config.yaml`, by default `<output_dir>/config.yaml` (checkpoints hold the same in trainer_state.json)."""
+    """Every setting of the run, defaults included, by its canonical name under its group's key, as a file `--config`
+    reads back: `<folder>/config.yaml`, by default `<output_dir>/config.yaml` (checkpoints hold the same settings,
+    flat, in trainer_state.json)."""
     import yaml
 
-    folder = folder or cfg.output_dir
+    folder = folder or cfg.output.output_dir
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "config.yaml")
-    values = {k: v for k, v in cfg.to_dict().items() if k not in ("config", "resume", "overwrite_output_dir")}
+    values = {group: {k: v for k, v in flags.items() if k not in ("config", "resume", "overwrite_output_dir")}
+              for group, flags in cfg.grouped().items()}
     with open(path, "w") as f:
         yaml.safe_dump(values, f, sort_keys=False)
     return path
-
-
-def _flag_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
 # keys a file or a dict cannot set: they are not training settings
@@ -566,15 +390,17 @@ NOT_SETTINGS = ("config", "help", "h", "local_rank")
 def mapping_words(values: dict, where: str) -> list[str]:
     """A mapping of flags (or their aliases) to values as command-line words, every key checked first (all the
     unknown ones named at once: aliases.check_keys) and then each value as its flag's parser takes it, so that a
-    wrong value is named by `where` and its key."""
+    wrong value is named by `where` and its key. Flags may be given flat or under their group's key
+    (`data: {seq_len: 4096}`), or both ways in one mapping."""
+    values = _ungrouped(values, where)
     for key in values:
         if str(key).replace("-", "_") in NOT_SETTINGS:
             raise ConfigError(f"{where}: {key!r} cannot be set in a config file (it holds training settings; "
                               f"python launch/train.py --help prints them)")
-    repeated = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("repeated")}
+    repeated = {name for name, flag in FLAGS.items() if flag.field.metadata["repeated"]}
     checker = build_parser(raise_errors=True)
     words = []
-    for key, value in aliases.check_keys(values, _flag_names(), where).items():
+    for key, value in aliases.check_keys(values, list(FLAGS), where).items():
         many = aliases.canonical(key) in repeated
         _refuse_nesting(where, key, value, many)
         these = aliases.value_words(key, value, repeated=many)
@@ -584,6 +410,27 @@ def mapping_words(values: dict, where: str) -> list[str]:
             raise ConfigError(f"{where}: {key}: {re.sub(r'^argument [^:]+: ', '', str(e))}") from None
         words += these
     return words
+
+
+def _ungrouped(values: dict, where: str) -> dict:
+    """A mapping with its groups' mappings (`data: {seq_len: 4096}`) opened into flat keys. A group's key holds a
+    mapping whose keys are its own flags (or their aliases); a flag given both flat and in its group is refused."""
+    flat = {}
+    for key, value in values.items():
+        if key not in GROUPS or (not isinstance(value, dict) and key in aliases.NO_COUNTERPART):
+            flat.setdefault(key, value)  # (transformers' `optim: adamw_torch` is theirs, named as such)
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key} is a group of settings: give it a mapping of its flags to values "
+                              f"(e.g. {key}: {{{next(iter(dataclasses.fields(GROUPS[key]))).name}: ...}})")
+        for inner, setting in value.items():
+            name = aliases.canonical(str(inner).replace("-", "_"))
+            if name in FLAGS and FLAGS[name].group != key:
+                raise ConfigError(f"{where}: {key}: {inner} belongs to the group {FLAGS[name].group}, not {key}")
+            if inner in flat or inner in values:
+                raise ConfigError(f"{where}: {inner} is given both at the top level and in {key}: keep one")
+            flat[inner] = setting
+    return flat
 
 
 def _refuse_nesting(where: str, key: str, value, repeated: bool) -> None:
@@ -605,8 +452,8 @@ def config_file_words(path: str) -> list[str]:
 
 def _parse(parser: _Parser, sources: list[list[str]]) -> tuple[TrainConfig, set[str]]:
     given = vars(parser.parse_sources(sources))
-    explicit = {name for name in given if name in _flag_names()}
-    return dataclasses.replace(TrainConfig(), **{name: given[name] for name in explicit}), explicit
+    explicit = {name for name in given if name in list(FLAGS)}
+    return TrainConfig.from_flags({name: given[name] for name in explicit}), explicit
 
 
 def _read_config_file(path: str) -> dict:
@@ -665,8 +512,8 @@ def config_from(config=None, overrides: Optional[dict] = None) -> tuple[TrainCon
     the defaults."""
     sources = []
     if isinstance(config, TrainConfig):
-        defaults = TrainConfig()
-        sources.append(mapping_words({k: v for k, v in config.to_dict().items() if getattr(defaults, k) != v},
+        defaults = TrainConfig().to_dict()
+        sources.append(mapping_words({k: v for k, v in config.to_dict().items() if defaults[k] != v},
                                      "the TrainConfig"))
     elif isinstance(config, dict):
         sources.append(mapping_words(config, "the settings dict"))

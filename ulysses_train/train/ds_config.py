@@ -99,7 +99,7 @@ def _reconcile(ds: dict, key_path: tuple, flag: str, cfg: TrainConfig, explicit:
     for k in key_path[:-1]:
         node = node.setdefault(k, {})
     json_value = node.get(key_path[-1], AUTO)
-    flag_value = getattr(cfg, flag)
+    flag_value = cfg.get(flag)
     if json_value == AUTO:
         value = flag_value if flag_value is not None else default
     elif flag in explicit and flag_value is not None and float(flag_value) != float(json_value):
@@ -115,7 +115,7 @@ def _reconcile_betas(params: dict, cfg: TrainConfig, explicit: set, src: str) ->
     """optimizer.params.betas: "auto" (or absent) takes (--adam_beta1, --adam_beta2); numbers stand unless a typed
     flag contradicts them."""
     betas = params.get("betas", AUTO)
-    flags = (cfg.adam_beta1, cfg.adam_beta2)
+    flags = (cfg.optim.adam_beta1, cfg.optim.adam_beta2)
     if betas == AUTO:
         params["betas"] = list(flags)
         return
@@ -128,7 +128,7 @@ def _reconcile_betas(params: dict, cfg: TrainConfig, explicit: set, src: str) ->
 def resolve_ds_config(raw: dict, cfg: TrainConfig, explicit: set, dp_size: int, sp_size: int, hidden_size: int,
                       use_bf16: bool, random_init: bool) -> dict:
     ds = copy.deepcopy(raw)
-    src = cfg.ds_config
+    src = cfg.parallel.ds_config
     # read by DeepSpeedConfig when no mpu is at hand (transformers' zero.Init) to get dp = world / sp
     if ds.get("sequence_parallel_size", sp_size) != sp_size:
         raise ConfigError(f"sequence_parallel_size = {ds['sequence_parallel_size']} in {src} contradicts "
@@ -147,8 +147,8 @@ def resolve_ds_config(raw: dict, cfg: TrainConfig, explicit: set, dp_size: int, 
         _reconcile(ds, ("optimizer", "params", "lr"), "lr", cfg, explicit, default_lr, src)
         params = ds["optimizer"].setdefault("params", {})
         if params.get("weight_decay", AUTO) == AUTO:
-            params["weight_decay"] = cfg.weight_decay
-        _reconcile(ds, ("optimizer", "params", "eps"), "adam_epsilon", cfg, explicit, cfg.adam_epsilon, src)
+            params["weight_decay"] = cfg.optim.weight_decay
+        _reconcile(ds, ("optimizer", "params", "eps"), "adam_epsilon", cfg, explicit, cfg.optim.adam_epsilon, src)
         _reconcile_betas(params, cfg, explicit, src)
     if ds.get("fp16", {}).get("enabled") in (True, AUTO):
         if ds["fp16"]["enabled"] is True:
@@ -184,7 +184,7 @@ def _auto_paths(node, prefix=""):
 def resolved_lr(ds: dict, cfg: TrainConfig, random_init: bool) -> float:
     if "optimizer" in ds:
         return float(ds["optimizer"]["params"]["lr"])
-    return cfg.lr if cfg.lr is not None else (1e-3 if random_init else 1e-5)
+    return cfg.optim.lr if cfg.optim.lr is not None else (1e-3 if random_init else 1e-5)
 
 
 def lever_choices(ds: dict) -> dict:

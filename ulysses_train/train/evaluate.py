@@ -28,7 +28,7 @@ def evaluate(run, source, max_samples: Optional[int]) -> dict:
         with torch.no_grad():
             for first in range(0, n, micro * g.dp_size):
                 indices = [first + g.dp_rank * micro + r for r in range(micro)]
-                batch = build_batch([source.get(min(i, n - 1)) for i in indices], run.cfg.packing)
+                batch = build_batch([source.get(min(i, n - 1)) for i in indices], run.cfg.data.packing)
                 for row, index in enumerate(indices):
                     if index >= n:  # past the end: the same shapes, nothing counted
                         batch["labels"][row] = IGNORE_INDEX

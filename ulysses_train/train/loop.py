@@ -40,7 +40,7 @@ def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor,
     shard = shard_batch(run, batch)
     loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.float().clamp(min=1.0),
                       **({"objective": objective} if objective is not None else {}))
-    if loss_is_skipped(loss, step, run.cfg.skip_nonfinite):
+    if loss_is_skipped(loss, step, run.cfg.optim.skip_nonfinite):
         return loss.detach(), True
     # DeepSpeed averages gradients over DP ranks and micro-steps; each share is already / the global count, so
     # undo the averaging to sum them (and sp_backward_scale makes the SP ranks' shares add up, see levers/loss.py)
@@ -57,7 +57,7 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
     """Every micro-step of optimizer step `step` (1-based), and the engine's optimizer step after the last unless
     `finish` is False (--verify stops before it). Returns the loss (the mean over the step's trainable tokens, on
     every rank), the counts ([trainable tokens, conversations], step_counts), and whether the step was skipped."""
-    if run.cfg.method != "sft":  # preference pairs: the same step with their objective
+    if run.cfg.pref.method != "sft":  # preference pairs: the same step with their objective
         from .preference import accumulate as accumulate_pairs
 
         return accumulate_pairs(run, step, finish)
@@ -87,14 +87,14 @@ def train_step(run, step: int) -> dict:
     sync()
     elapsed = time.perf_counter() - start
     grad_norm = float(run.engine.get_global_grad_norm() or 0.0)
-    check_grad_norm(grad_norm, step, skipped, run.cfg.skip_nonfinite)
+    check_grad_norm(grad_norm, step, skipped, run.cfg.optim.skip_nonfinite)
     tokens, conversations = (int(c) for c in counts.tolist())
     positions = run.seq_len * run.micro * run.accum * g.dp_size
     record = {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "num_tokens": tokens,
               "num_positions": positions, "conversations": conversations, "step_time_s": elapsed,
               "tokens_per_s": positions / elapsed, "trained_tokens_per_s": tokens / elapsed,
               "peak_mem_gib": device_peak_gib(device), "lr": float(lr), "skipped": skipped}
-    if run.cfg.method != "sft":  # rewards, margins, accuracies, log-probs: train/preference.py
+    if run.cfg.pref.method != "sft":  # rewards, margins, accuracies, log-probs: train/preference.py
         record["preference"] = run.preference_stats
     return record
 
@@ -103,20 +103,21 @@ def train(run) -> list[dict]:
     """Steps from the one after the resumed checkpoint to --steps; saves every --save_steps, after the last step
     (--save_final) and on SIGTERM."""
     cfg, history, stop = run.cfg, [], run.stop
+    steps, every_eval, output, log = cfg.optim.steps, cfg.eval.eval_steps, cfg.output, cfg.log
     stop.armed = True
     if stop.agreed(run.device):  # stopped while starting up (the launcher went away): nothing trained, nothing to save
         if run.trackers is not None:
             run.trackers.close()
         return history
-    with MetricsLogger(cfg.output_dir, cfg.steps, run.rank == 0, run.trackers, cfg.log_every, run.start_step,
-                       cfg.progress) as logger, ProfileFirstSteps(run, cfg.profile_memory, logger.write) as profile:
-        for step in range(run.start_step + 1, cfg.steps + 1):
+    with MetricsLogger(output.output_dir, steps, run.rank == 0, run.trackers, log.log_every, run.start_step,
+                       log.progress) as logger, ProfileFirstSteps(run, log.profile_memory, logger.write) as profile:
+        for step in range(run.start_step + 1, steps + 1):
             inject_at_step(step, run.rank, stop)
             profile.before_step(step)
             record = train_step(run, step)
             profile.after_step(step)
-            if run.eval_source is not None and (step == cfg.steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
-                record |= evaluate(run, run.eval_source, cfg.eval_samples)
+            if run.eval_source is not None and (step == steps or (every_eval and step % every_eval == 0)):
+                record |= evaluate(run, run.eval_source, cfg.eval.eval_samples)
             history.append(record)
             logger.log(record, {"host_peak_gib": host_peak_gib(), "skipped": record["skipped"],
                                 "host_offload_gib": run.offload.peak_host_bytes / 2**30 if run.offload else 0.0,
@@ -124,7 +125,7 @@ def train(run) -> list[dict]:
                                 **record.get("preference", {})})
             if record["skipped"]:
                 logger.write(f"step {step}: non-finite loss, step skipped (--skip_nonfinite)")
-            saved = bool(cfg.save_steps and step % cfg.save_steps == 0) or (step == cfg.steps and cfg.save_final)
+            saved = bool(output.save_steps and step % output.save_steps == 0) or (step == steps and output.save_final)
             if saved:
                 run.save(step)
             if stop.agreed(run.device):

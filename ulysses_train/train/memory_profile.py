@@ -198,9 +198,9 @@ class MemoryProfiler:
                    "device_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None}
         with open(os.path.join(self.out_dir, "memory.json"), "w") as f:
             json.dump(dict(summary, series=series), f)
-        cfg = self.trainer.cfg
+        base = self.trainer.cfg.base
         plot(os.path.join(self.out_dir, "memory.png"), series,
-             f"{cfg.model or cfg.model_config}, {self.trainer.seq_len:,} tokens, sp {self.trainer.groups.sp_size}: "
+             f"{base.model or base.model_config}, {self.trainer.seq_len:,} tokens, sp {self.trainer.groups.sp_size}: "
              f"{self.steps} step(s), rank 0")
         return summary
 
@@ -220,7 +220,7 @@ class ProfileFirstSteps:
     def before_step(self, step: int) -> None:
         if self.steps and self.first is None:
             self.first = step
-            out = os.path.join(self.trainer.cfg.output_dir, "memory")
+            out = os.path.join(self.trainer.cfg.output.output_dir, "memory")
             self.profiler = MemoryProfiler(self.trainer, self.steps, out)
             self.profiler.start()
 

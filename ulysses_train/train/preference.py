@@ -25,40 +25,38 @@ from .loop import forward_backward
 
 
 def check_preference_flags(cfg) -> None:
-    """The preference flags against each other and the rest (TrainConfig.validate calls it)."""
+    """The preference flags against each other and the rest (TrainConfig.validate calls it, after their bounds)."""
+    pref, data = cfg.pref, cfg.data
     defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None}
-    if cfg.method == "sft":
-        given = [f"--{k}" for k, v in defaults.items() if getattr(cfg, k) != v]
+    if pref.method == "sft":
+        given = [f"--{k}" for k, v in defaults.items() if getattr(pref, k) != v]
         if given:
             raise ConfigError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to preference training: "
                               f"give --method dpo, simpo or orpo")
         return
-    if not cfg.dataset:
-        raise ConfigError(f"--method {cfg.method} trains on preference pairs: give --dataset with `prompt`, `chosen` "
+    if not data.dataset:
+        raise ConfigError(f"--method {pref.method} trains on preference pairs: give --dataset with `prompt`, `chosen` "
                           f"and `rejected` columns (or `chosen` and `rejected` sharing the prompt)")
-    if not cfg.beta > 0:
-        raise ConfigError(f"--beta must be positive, got {cfg.beta}")
-    if cfg.loss_type != "sigmoid" and cfg.method != "dpo":
-        raise ConfigError(f"--loss_type {cfg.loss_type} applies to --method dpo ({cfg.method} has its own loss)")
-    if cfg.simpo_gamma != defaults["simpo_gamma"] and cfg.method != "simpo":
+    if pref.loss_type != "sigmoid" and pref.method != "dpo":
+        raise ConfigError(f"--loss_type {pref.loss_type} applies to --method dpo ({pref.method} has its own loss)")
+    if pref.simpo_gamma != defaults["simpo_gamma"] and pref.method != "simpo":
         raise ConfigError("--simpo_gamma applies to --method simpo")
-    if cfg.data_format != "auto" or cfg.loss_on not in ("auto", "completion") or cfg.text_column:
-        raise ConfigError(f"--method {cfg.method} reads preference pairs (prompt/chosen/rejected) and scores their "
+    if data.data_format != "auto" or cfg.sft.loss_on not in ("auto", "completion") or data.text_column:
+        raise ConfigError(f"--method {pref.method} reads preference pairs (prompt/chosen/rejected) and scores their "
                           f"completions: leave --data_format, --loss_on and --text_column unset")
-    if cfg.eval_dataset:
-        raise ConfigError(f"--eval_dataset is evaluated with the SFT loss; with --method {cfg.method} leave it unset")
-    if cfg.max_length is not None and cfg.max_length <= 0:
-        raise ConfigError(f"--max_length must be positive, got {cfg.max_length}")
-    if cfg.max_length is not None and 2 * cfg.max_length > cfg.seq_len:
-        raise ConfigError(f"--seq_len {cfg.seq_len} holds both sides of a pair: it must be at least 2 x --max_length "
-                          f"({cfg.max_length})")
+    if cfg.eval.eval_dataset:
+        raise ConfigError(f"--eval_dataset is evaluated with the SFT loss; with --method {pref.method} leave it unset")
+    if pref.max_length is not None and 2 * pref.max_length > data.seq_len:
+        raise ConfigError(f"--seq_len {data.seq_len} holds both sides of a pair: it must be at least 2 x --max_length "
+                          f"({pref.max_length})")
 
 
 def preference_spec(cfg) -> Optional[PreferenceSpec]:
     """The run's loss, or None for SFT."""
-    if cfg.method == "sft":
+    pref = cfg.pref
+    if pref.method == "sft":
         return None
-    return PreferenceSpec(cfg.method, cfg.beta, cfg.loss_type, cfg.simpo_gamma)
+    return PreferenceSpec(pref.method, pref.beta, pref.loss_type, pref.simpo_gamma)
 
 
 def shard_segments(run, batch: dict) -> torch.Tensor:

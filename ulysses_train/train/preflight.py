@@ -69,12 +69,12 @@ def check_chat_template(path) -> None:
 
 def preflight(cfg) -> None:
     """Every path check of a run (a TrainConfig), in the order the run reads them."""
-    if cfg.model:
-        check_model(cfg.model, need_tokenizer=cfg.tokenizer is None)
-    check_tokenizer(cfg.tokenizer)
-    check_dataset(cfg.dataset)
-    check_dataset(cfg.eval_dataset, "eval_dataset")
-    check_chat_template(cfg.chat_template)
+    if cfg.base.model:
+        check_model(cfg.base.model, need_tokenizer=cfg.data.tokenizer is None)
+    check_tokenizer(cfg.data.tokenizer)
+    check_dataset(cfg.data.dataset)
+    check_dataset(cfg.eval.eval_dataset, "eval_dataset")
+    check_chat_template(cfg.sft.chat_template)
 
 
 def _has_tokenizer(folder: str) -> bool:

@@ -106,13 +106,13 @@ def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: 
 
 def _decide(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_scheduler: bool,
             log: Callable[[str], None], warn: Callable[[str], None]) -> ResumePlan:
-    check_writable(cfg.output_dir)
-    path = resolve_resume(cfg.resume, cfg.output_dir, warn)
+    check_writable(cfg.output.output_dir)
+    path = resolve_resume(cfg.output.resume, cfg.output.output_dir, warn)
     if path is None:
-        if not cfg.resume and not cfg.verify:  # (--resume auto in a folder without checkpoints starts afresh)
-            claim_for_fresh_run(cfg.output_dir, cfg.overwrite_output_dir, log)
-        if cfg.resume_override:
-            log(f"no checkpoint in {cfg.output_dir} to resume from: starting afresh, --resume_override unused")
+        if not cfg.output.resume and not cfg.check.verify:  # (--resume auto without checkpoints starts afresh)
+            claim_for_fresh_run(cfg.output.output_dir, cfg.output.overwrite_output_dir, log)
+        if cfg.output.resume_override:
+            log(f"no checkpoint in {cfg.output.output_dir} to resume from: starting afresh, --resume_override unused")
         return ResumePlan()
     state = read_trainer_state(path)
     if (state["dp_size"], state["sp_size"]) != (dp_size, sp_size):
@@ -122,10 +122,10 @@ def _decide(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_sc
     scheduled = [name for name in overridden if name in SCHEDULE_SETTINGS]
     if scheduled and not own_scheduler:
         raise ConfigError(f"--resume_override {','.join(scheduled)}: the scheduler of "
-                          f"--ds_config {cfg.ds_config} sets the learning rate; remove its \"scheduler\" block so "
-                          f"that the flags set the schedule")
-    if state["step"] >= cfg.steps and not cfg.verify:
-        raise NothingToDo(f"nothing to do: {path} is at step {state['step']} of --steps {cfg.steps}", path)
+                          f"--ds_config {cfg.parallel.ds_config} sets the learning rate; remove its \"scheduler\" "
+                          f"block so that the flags set the schedule")
+    if state["step"] >= cfg.optim.steps and not cfg.check.verify:
+        raise NothingToDo(f"nothing to do: {path} is at step {state['step']} of --steps {cfg.optim.steps}", path)
     if free:
         log(f"changed since {path} (they do not alter training): {', '.join(free)}")
     return ResumePlan(path, state["step"], list(overridden.values()))
@@ -166,5 +166,7 @@ def apply_optimizer_settings(optimizer, cfg: TrainConfig) -> None:
     """Puts this run's AdamW settings (--adam_beta1/2, --adam_epsilon, --weight_decay) on an optimizer restored from a
     checkpoint, whose param groups came back with the checkpoint's: the same values unless --resume_override
     changed them."""
+    optim = cfg.optim
     for group in optimizer.param_groups:
-        group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        group.update(betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_epsilon,
+                     weight_decay=optim.weight_decay)

@@ -173,11 +173,11 @@ FIXES = {"tensorboard": "make the folder writable or choose another --output_dir
 def start_trackers(cfg, resuming: bool, rank: int) -> Optional[Trackers]:
     """Collective: rank 0 starts the trackers of --report_to (None on the other ranks, and when there are none);
     a tracker that does not start is a ConfigError on every rank (module docstring)."""
-    names = parse_report_to(cfg.report_to, cfg.tensorboard)
+    names = parse_report_to(cfg.log.report_to, cfg.log.tensorboard)
     trackers, error = None, [None]
     if rank == 0 and names:
         try:  # (the output folder exists: the run's lock is in it)
-            trackers = Trackers(names, cfg.output_dir, cfg.to_dict(), resuming)
+            trackers = Trackers(names, cfg.output.output_dir, cfg.to_dict(), resuming)
         except ConfigError as e:
             error[0] = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:

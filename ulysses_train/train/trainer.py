@@ -28,7 +28,7 @@ from ..levers.loss import CausalLMWithSPLoss, sp_backward_scale
 from ..levers.master_weights import share_master_weights
 from ..levers.memory import fits_on
 from ..levers.offload import HostOffload
-from ..levers.policy import DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..levers.policy import DeviceInfo, Levers, resolve_levers
 from ..levers.preference_loss import PreferenceLMWithSPLoss
 from ..levers.rope import configure_rope
 from ..model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
@@ -76,20 +76,20 @@ def _init_distributed(backend: str) -> bool:
 
 def verify_folder(cfg: TrainConfig) -> str:
     """Where --verify writes (its report and settings): `<output_dir>/verify/`, beside a training run's files."""
-    return os.path.join(cfg.output_dir, "verify")
+    return os.path.join(cfg.output.output_dir, "verify")
 
 
 def verify_seq_len(cfg: TrainConfig) -> int:
     """Tokens per sequence this process runs: --seq_len, or with --verify the shorter check (the levers are still
     chosen for --seq_len, so the check sees the run as configured)."""
-    return (cfg.verify_seq_len or min(cfg.seq_len, 4096)) if cfg.verify else cfg.seq_len
+    return (cfg.check.verify_seq_len or min(cfg.data.seq_len, 4096)) if cfg.check.verify else cfg.data.seq_len
 
 
 def run_geometry(cfg: TrainConfig, model_config) -> dict:
     """The model's geometry (model/geometry.py) with, under --use_peft, what the adapters change (`adapters`:
     model/adapters.py), which the planner's memory and time count."""
     g = geometry(model_config)
-    spec = AdapterSpec.from_config(cfg)
+    spec = AdapterSpec.from_config(cfg.adapters)
     g["adapters"] = adapter_geometry(model_config, spec) if spec else None
     return g
 
@@ -99,14 +99,14 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: to
     """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags); `g`:
     run_geometry's, computed here if not given."""
     micro = ds["train_micro_batch_size_per_gpu"]
-    local_tokens = micro * math.ceil(cfg.seq_len / sp_size)
+    local_tokens = micro * math.ceil(cfg.data.seq_len / sp_size)
     g, choices = g or run_geometry(cfg, model_config), lever_choices(ds)
     fits = None
-    if cfg.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
+    if cfg.levers.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
         world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
-        fits = fits_on(g, cfg.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
+        fits = fits_on(g, cfg.data.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
                        choices.get("zero_stage", 3), micro, dtype.itemsize)
-    return resolve_levers(LeverRequest.from_config(cfg), g, local_tokens, dtype.itemsize, device, choices, fits)
+    return resolve_levers(cfg.lever_request(), g, local_tokens, dtype.itemsize, device, choices, fits)
 
 
 class Trainer:
@@ -138,10 +138,11 @@ class Trainer:
         cfg.validate()
         preflight(cfg)  # model, tokenizer and dataset paths, before anything is loaded
         self.cfg, self.seq_len = cfg, verify_seq_len(cfg)
-        self.model_config = load_model_config(cfg.model, cfg.model_config, cfg.num_layers)
+        self.model_config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
         self.model_config.use_cache = False
-        self.rope = configure_rope(self.model_config, cfg.rope_scaling, cfg.seq_len, cfg.rope_factor, cfg.rope_theta,
-                                   cfg.rope_original_max_positions)
+        base = cfg.base
+        self.rope = configure_rope(self.model_config, base.rope_scaling, cfg.data.seq_len, base.rope_factor,
+                                   base.rope_theta, base.rope_original_max_positions)
         accel = get_accelerator()
         self.owns_process_group = _init_distributed(accel.communication_backend_name())
         if self.owns_process_group:
@@ -152,45 +153,46 @@ class Trainer:
         self.lock = self._lock_output_dir()
         if self.lock is not None:
             self.resources.callback(self.lock.release)
-        self.watchdog = Watchdog(self.rank, self.world, cfg.dist_timeout, self.stop.request, exit_now).start()
+        self.watchdog = Watchdog(self.rank, self.world, cfg.parallel.dist_timeout, self.stop.request, exit_now).start()
         self.resources.callback(self.watchdog.stop)
-        sp_size = cfg.sp_size or math.gcd(local_world_size(), self.world)
+        sp_size = cfg.parallel.sp_size or math.gcd(local_world_size(), self.world)
         heads = attention_heads(self.model_config)
-        ring_size = dims.resolve_ring_size(ring_size_number(cfg.ring_size) or "auto", sp_size, *heads)
-        lengths = {"seq_len": cfg.seq_len, **({"verify_seq_len": self.seq_len} if cfg.verify else {})}
-        parallel = dims.validate(self.world, sp_size, *heads, lengths, cfg.pad_to_sp, ring_size)
+        ring_size = dims.resolve_ring_size(ring_size_number(cfg.parallel.ring_size) or "auto", sp_size, *heads)
+        lengths = {"seq_len": cfg.data.seq_len, **({"verify_seq_len": self.seq_len} if cfg.check.verify else {})}
+        parallel = dims.validate(self.world, sp_size, *heads, lengths, cfg.data.pad_to_sp, ring_size)
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        use_bf16 = cfg.base.dtype == "bf16" or (cfg.base.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
-        self.kernel = resolve_kernel(cfg.attn_kernel, self.device.type, use_bf16, capability)
-        self.adapter_spec = AdapterSpec.from_config(cfg)
+        self.kernel = resolve_kernel(cfg.levers.attn_kernel, self.device.type, use_bf16, capability)
+        self.adapter_spec = AdapterSpec.from_config(cfg.adapters)
         if self.adapter_spec and self.adapter_spec.load_in_4bit:
             check_4bit(self.device)
         self.geometry = run_geometry(cfg, self.model_config)  # before zero.Init: adapters counted on the meta device
         # before the data and the model: a layer this run cannot make exact stops it here (sp/support.py)
         self.layers = check_support(self.model_config, sp_size, ring_size, self.kernel, self.device.type,
-                                    cfg.packing or cfg.method != "sft")  # a pair's two sides are documents
+                                    cfg.data.packing or cfg.pref.method != "sft")  # a pair's two sides are documents
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
-        raw_ds = load_ds_config(cfg.ds_config)
+        raw_ds = load_ds_config(cfg.parallel.ds_config)
         self.ds = resolve_ds_config(raw_ds, cfg, explicit, parallel.dp_size, sp_size, self.model_config.hidden_size,
-                                    use_bf16, cfg.model is None)
+                                    use_bf16, cfg.base.model is None)
         self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
-        if cfg.skip_nonfinite and self.accum > 1:
+        if cfg.optim.skip_nonfinite and self.accum > 1:
             raise ConfigError("--skip_nonfinite needs --grad_accum 1 (a step is skipped whole)")
-        self.lr = resolved_lr(self.ds, cfg, cfg.model is None)
+        self.lr = resolved_lr(self.ds, cfg, cfg.base.model is None)
         self.checkpoint = None  # the newest of this run: resumed from, then each save
         self.trackers = None
         # --epochs: the steps, a training setting, are known once the data is
-        steps_from_epochs = cfg.epochs is not None and "steps" not in explicit
+        steps_from_epochs = cfg.optim.epochs is not None and "steps" not in explicit
 
         def plan() -> None:  # before the model: a run that cannot write, or must not start, stops in seconds
             self.settings = self._training_settings(raw_ds, use_bf16)  # (with --epochs, after the data)
             self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds,
                                  self.rank, self.log, self.warn)
             # --report_to's trackers started (a server that refuses or does not answer named) before the model
-            self.trackers = None if cfg.verify else start_trackers(cfg, self.plan.checkpoint is not None, self.rank)
+            resuming = self.plan.checkpoint is not None
+            self.trackers = None if cfg.check.verify else start_trackers(cfg, resuming, self.rank)
             if self.trackers is not None:
                 self.resources.callback(self.trackers.close)  # a run that stops before its logger closes them
         if not steps_from_epochs:
@@ -202,12 +204,13 @@ class Trainer:
             self.resources.callback(lambda: destroy_process_groups(groups.own_groups()))
         self.tokenizer, self.source = self._prepare_data()
         if steps_from_epochs:
-            cfg.steps = self._steps_of_epochs(parallel.dp_size)
+            cfg.optim.steps = self._steps_of_epochs(parallel.dp_size)
             cfg.check_steps()
             plan()
         self.eval_source = None
-        if cfg.eval_dataset and not cfg.verify:
-            self.eval_source = load_source(cfg, cfg.eval_dataset, cfg.eval_split or cfg.dataset_split, self.seq_len,
+        if cfg.eval.eval_dataset and not cfg.check.verify:
+            self.eval_source = load_source(cfg.data_settings(), cfg.eval.eval_dataset,
+                                           cfg.eval.eval_split or cfg.data.dataset_split, self.seq_len,
                                            self.model_config.vocab_size, self.rank, self.log, "eval_dataset")[1]
         self.attention = register_ulysses_attention(self.groups.ulysses_group, self.kernel, self.groups.ring_group)
         # must outlive model construction: transformers reads it to build the model inside zero.Init
@@ -233,10 +236,10 @@ class Trainer:
                  f"{self.model_config.num_hidden_layers} layers ({describe_layers(self.layers)}) | "
                  f"{self.describe_levers()} | rope {self.rope} | "
                  f"tokenizer {type(self.tokenizer).__name__ if self.tokenizer else 'none (generated tokens)'}")
-        if self.rank == 0 and not cfg.verify and (cfg.save_steps or cfg.save_final):
+        if self.rank == 0 and not cfg.check.verify and (cfg.output.save_steps or cfg.output.save_final):
             self._warn_if_a_checkpoint_does_not_fit()
         if self.rank == 0:  # --verify leaves a training folder's own files alone: its outputs go to verify/
-            write_resolved_config(cfg, verify_folder(cfg) if cfg.verify else None)
+            write_resolved_config(cfg, verify_folder(cfg) if cfg.check.verify else None)
 
     # ---------------------------------------------------------------- building
 
@@ -245,24 +248,25 @@ class Trainer:
         return training_settings(self.cfg, {
             "lr": self.lr, "micro_batch_size": self.micro, "grad_accum": self.accum,
             "max_grad_norm": self.ds["gradient_clipping"], "dtype": "bf16" if use_bf16 else "fp32",
-            "ds_config": raw_ds, "model_config": model_config_values(self.cfg.model_config)
-            if self.cfg.model_config else None})
+            "ds_config": raw_ds, "model_config": model_config_values(self.cfg.base.model_config)
+            if self.cfg.base.model_config else None})
 
     def _steps_of_epochs(self, dp_size: int) -> int:
         """--epochs passes over the training samples, in optimizer steps (the last one may be partial)."""
         cfg, per_step = self.cfg, self.micro * self.accum * dp_size
-        steps = max(1, math.ceil(cfg.epochs * self.source.num_samples / per_step))
-        self.log(f"epochs: {cfg.epochs:g} x {self.source.num_samples:,} samples / {per_step} a step = {steps} steps")
+        steps = max(1, math.ceil(cfg.optim.epochs * self.source.num_samples / per_step))
+        self.log(f"epochs: {cfg.optim.epochs:g} x {self.source.num_samples:,} samples / {per_step} a step = {steps} "
+                 f"steps")
         return steps
 
     def _build_model(self):
         """The HF model with the levers the policy resolves for --seq_len, installed by model/surgery.py."""
         cfg = self.cfg
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.data.seed)
         spec = self.adapter_spec
-        model = build_model(self.model_config, cfg.model, self.dtype, log=self.log,
+        model = build_model(self.model_config, cfg.base.model, self.dtype, log=self.log,
                             quantization=quantization_config(self.dtype) if spec and spec.load_in_4bit else None)
-        request = LeverRequest.from_config(cfg)
+        request = cfg.lever_request()
         device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device, self.geometry)
         # the adapters go in before the surgery, which then finds (and calls) PEFT's layers where the linears were
@@ -271,10 +275,10 @@ class Trainer:
             self.log(f"adapters: {self.adapters.describe()}")
         self.offload = HostOffload() if levers.offload_activations else None
         self.levers, self.surgery = apply_levers(model, levers, request, self.device, self.dtype,
-                                                 cfg.loss_chunk_size, cfg.mlp_tile_tokens, self.offload)
+                                                 cfg.levers.loss_chunk_size, cfg.levers.mlp_tile_tokens, self.offload)
         # the same group as the attention's; with packing the DeltaNet mixers read its documents
         self.linear_kernel = apply_sp_patches(model, self.groups.ulysses_group, self.surgery, self.device,
-                                              cfg.linear_kernel, self.attention if cfg.packing else None)
+                                              cfg.levers.linear_kernel, self.attention if cfg.data.packing else None)
         if self.linear_kernel is not None and self.linear_kernel.why:
             self.log(f"linear_kernel {self.linear_kernel.why}")
         if self.levers.why:
@@ -289,12 +293,12 @@ class Trainer:
         # only what is trained has optimizer states (everything but frozen base weights under --use_peft)
         trained = [p for p in self.module.parameters() if p.requires_grad]
         if "optimizer" not in self.ds:
-            optimizer = torch.optim.AdamW(trained, lr=self.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                          eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
+            optimizer = torch.optim.AdamW(trained, lr=self.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+                                          eps=cfg.optim.adam_epsilon, weight_decay=cfg.optim.weight_decay,
                                           fused=self.device.type == "cuda")
         if "scheduler" not in self.ds:
-            warmup = warmup_steps(cfg.steps, cfg.warmup_steps, cfg.warmup_ratio)
-            factor = lr_factor(cfg.lr_scheduler_type, cfg.steps, warmup, cfg.min_lr_ratio)
+            warmup = warmup_steps(cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.warmup_ratio)
+            factor = lr_factor(cfg.optim.lr_scheduler_type, cfg.optim.steps, warmup, cfg.optim.min_lr_ratio)
             scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
         engine, *_ = deepspeed.initialize(model=self.module, model_parameters=None if optimizer else
                                           trained, optimizer=optimizer, lr_scheduler=scheduler,
@@ -308,7 +312,7 @@ class Trainer:
         """Rank 0 holds the output folder's lock; its outcome is broadcast, so a folder in use stops every rank."""
         lock, outcome = None, [None, None]  # (error, note)
         if self.rank == 0:
-            lock = RunLock(self.cfg.output_dir)
+            lock = RunLock(self.cfg.output.output_dir)
             try:
                 outcome[1] = lock.acquire()
             except ConfigError as e:
@@ -332,8 +336,8 @@ class Trainer:
             apply_optimizer_settings(self.engine.optimizer, self.cfg)
         if "scheduler" not in self.ds:  # ours (schedule.py); a DS-config scheduler keeps its own state
             apply_schedule(self.engine.lr_scheduler, self.lr)
-        if self.rank == 0 and not self.cfg.verify:
-            abandon_newer(self.cfg.output_dir, self.resume_from, self.log)
+        if self.rank == 0 and not self.cfg.check.verify:
+            abandon_newer(self.cfg.output.output_dir, self.resume_from, self.log)
         dist.barrier()
         overridden = f" with {', '.join(self.plan.overridden)} (--resume_override)" if self.plan.overridden else ""
         self.log(f"resumed from {self.resume_from} at step {state['step']}{overridden}")
@@ -342,14 +346,14 @@ class Trainer:
     def _prepare_data(self):
         """Tokenizer and sample source of --dataset (generated tokens without one), and of --eval_dataset."""
         cfg = self.cfg
-        if not cfg.dataset:
+        if not cfg.data.dataset:
             from ..data.corpus import load_tokenizer
 
             # generated tokens need none; a model's tokenizer (or --tokenizer) is saved with its checkpoints
-            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model, need_eos=False) if cfg.model else None
-            return tokenizer, SyntheticSource(self.model_config.vocab_size, self.seq_len, cfg.seed)
-        return load_source(cfg, cfg.dataset, cfg.dataset_split, self.seq_len, self.model_config.vocab_size,
-                           self.rank, self.log)
+            tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.base.model, need_eos=False) if cfg.base.model else None
+            return tokenizer, SyntheticSource(self.model_config.vocab_size, self.seq_len, cfg.data.seed)
+        return load_source(cfg.data_settings(), cfg.data.dataset, cfg.data.dataset_split, self.seq_len,
+                           self.model_config.vocab_size, self.rank, self.log)
 
     # ---------------------------------------------------------------- what the loop and --verify use
 
@@ -395,19 +399,19 @@ class Trainer:
         rows = []
         for r in range(self.micro):
             index = global_sample_index(step, micro_step, self.accum, dp_rank, g.dp_size, self.micro, r)
-            rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.seed)))
-        return build_batch(rows, self.cfg.packing) if self.spec is None else preference_batch(rows, self.reference)
+            rows.append(self.source.get(sample_order(index, self.source.num_samples, self.cfg.data.seed)))
+        return build_batch(rows, self.cfg.data.packing) if self.spec is None else preference_batch(rows, self.reference)
 
     def save(self, step: int) -> str:
         state = {"step": step, "data_position": step * self.accum * self.groups.dp_size * self.micro,
-                 "seed": self.cfg.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
+                 "seed": self.cfg.data.seed, "dp_size": self.groups.dp_size, "sp_size": self.groups.sp_size,
                  "config": self.cfg.to_dict(), "settings": self.settings}
-        path = save_checkpoint(self.engine, self.cfg.output_dir, step, state, self.model_config, self.tokenizer,
-                               self.rank, self.cfg.save_total_limit, adapters=self.adapters,
-                               base_model=self.cfg.model)
+        path = save_checkpoint(self.engine, self.cfg.output.output_dir, step, state, self.model_config, self.tokenizer,
+                               self.rank, self.cfg.output.save_total_limit, adapters=self.adapters,
+                               base_model=self.cfg.base.model)
         self.log(f"saved checkpoint {path}")
         self.checkpoint = path
-        if self.rank == 0 and step < self.cfg.steps:
+        if self.rank == 0 and step < self.cfg.optim.steps:
             problem = too_little_space(os.path.dirname(path), checkpoint_bytes(path), f"the size of {path}")
             if problem:
                 self.warn(f"the next save will fail: {problem}")
@@ -418,8 +422,8 @@ class Trainer:
 
     def _warn_if_a_checkpoint_does_not_fit(self) -> None:
         """Before training: the first save's room, against the newest checkpoint's size or else an estimate."""
-        root = os.path.join(self.cfg.output_dir, "checkpoints")
-        previous = newest_complete(self.cfg.output_dir)
+        root = os.path.join(self.cfg.output.output_dir, "checkpoints")
+        previous = newest_complete(self.cfg.output.output_dir)
         need, what = checkpoint_bytes(previous), f"the size of {previous}"
         if need is None:
             parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())

@@ -145,7 +145,7 @@ def our_step(trainer, step: int) -> tuple[float, dict, dict, dict, list[dict]]:
     if trainer.adapters is not None:  # zero B (at initialisation) would leave A without a gradient to compare
         from ..model.adapters import randomize_lora_b
 
-        randomize_lora_b(trainer.module, trainer.cfg.seed + step)
+        randomize_lora_b(trainer.module, trainer.cfg.data.seed + step)
     weights = _gather_weights(trainer.engine, rank)
     buffers = {n.removeprefix("model."): b.detach().cpu() for n, b in trainer.engine.module.named_buffers()}
     loss, _, skipped = accumulate(trainer, step + 1, finish=False)
@@ -236,7 +236,7 @@ def run_verify(trainer) -> dict:
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
         reference_step = _reference_for(trainer)
-        extra = (trainer.adapters, trainer.cfg.model)
+        extra = (trainer.adapters, trainer.cfg.base.model)
         ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
                                                           trainer.device, *extra)
         ours = relative_errors(loss, grads, ref_loss, ref_grads)
