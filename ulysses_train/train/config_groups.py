@@ -66,7 +66,7 @@ class DataConfig:
                                                ".arrow, or a save_to_disk folder. Given several times (or as a YAML "
                                                "list), a mixture: each entry a path or a JSON object {path, split, "
                                                "weight | samples, data_format, text_column, messages_field, role_map} "
-                                               "(README: Data). Default: generated tokens (the embedded default).",
+                                               "(docs/data.md). Default: generated tokens (the embedded default).",
                                                repeated=True)
     dataset_split: str = _f("train", "Split of --dataset.")
     text_column: Optional[str] = _f(None, "Column holding the text. Default: 'text'.")
@@ -79,7 +79,7 @@ class DataConfig:
                                        "`messages` and ShareGPT's `conversations` (both detected).")
     role_map: Optional[str] = _f(None, "The data's roles -> the chat template's, as from=to pairs with commas (or a "
                                  "mapping in YAML), over the defaults human=user, gpt=assistant, observation=tool, "
-                                 "function_call=assistant (a tool call) (README: Data).")
+                                 "function_call=assistant (a tool call) (docs/data.md).")
     tokenizer: Optional[str] = _f(None, "'bytes' (byte-level, 259 ids, offline), a tokenizer path/hub id, or by "
                                   "default the --model's own (bytes when there is no --model).")
     seq_len: int = _f(1024, "Tokens per sequence (one sample). Must be a multiple of --sp_size.", gt=0)
@@ -120,7 +120,7 @@ class PreferenceConfig:
     method: Literal[METHODS] = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference "
                                   "Optimization on prompt/chosen/rejected pairs against the reference (the initial "
                                   "weights; their log-probs computed once per dataset under SP and cached beside the "
-                                  "tokens). simpo, orpo: reference-free (README: \"Preference training\").")
+                                  "tokens). simpo, orpo: reference-free (docs/preference.md).")
     beta: float = _f(0.1, "The preference loss's beta (TRL's): DPO's KL weight, SimPO's reward scale, ORPO's "
                      "odds-ratio weight.", gt=0)
     loss_type: Literal[LOSS_TYPES] = _f("sigmoid", "DPO's loss, as TRL names it: sigmoid (DPO), ipo (IPO, per-token "
@@ -221,8 +221,8 @@ class LeverConfig:
     loss: Literal[LOSS_KINDS] = _f("fused", "fused: LM head + cross-entropy in row chunks, gradients computed in the "
                                    "forward, so the full logits never exist. plain: the ordinary loss, for comparison.")
     loss_kernel: Literal[LOSS_KERNELS] = _f("auto", "Whose fused loss runs. liger: Liger-Kernel's fused linear "
-                                            "cross-entropy (1.7x faster than ours on the H200; it picks its own "
-                                            "chunks, about tokens x hidden logits). ours: ulysses_train's, chunked by "
+                                            "cross-entropy (faster than ours on the H200: docs/benchmarks.md; it picks "
+                                            "its own chunks, about tokens x hidden logits). ours: ulysses_train's, chunked by "
                                             "--loss_chunk_size, on any device. auto: liger on CUDA when liger-kernel "
                                             "is installed and agrees with ours in a self-check at start-up, else ours "
                                             "(the reason logged).")
@@ -325,7 +325,7 @@ class VerifyConfig:
                       "configured (every flag applies) at --verify_seq_len, its loss and every parameter's gradient "
                       "compared with a single-process transformers reference on the same weights and tokens, in fp32 "
                       "and in the run's dtype. Prints a table and the verdict; exit code 0 within tolerance, 1 outside "
-                      "it (README: \"Is my run exact?\").")
+                      "it (docs/verify.md).")
     verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).",
                                        gt=0)
 
