@@ -47,7 +47,7 @@ def _default_and_help(action: argparse.Action) -> tuple[str, str]:
         stated, help_text = told.group(1), (help_text[:told.start()] + help_text[told.end():]).strip()
     if stated in (None, "None"):
         return "none", help_text
-    stated = {"True": "true", "False": "false"}.get(stated, stated)
+    stated = re.sub(r"^(True|False|None)\b", lambda m: m.group(1).lower(), stated)  # as YAML and the page say them
     stated = stated.replace(ROOT + os.sep, "")  # the same page on every machine: the repository's files relative,
     home = os.path.expanduser("~")
     return (stated.replace(home, "~") if len(home) > 1 else stated), help_text  # the home folder as ~
