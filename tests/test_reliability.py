@@ -174,7 +174,7 @@ def test_a_settings_error_is_printed_once_before_any_rank_exits(tmp_path):
     config.write_text("seq_len: many\n")
     for args, message in ((["--steps", "0"], "error: --steps must be positive, got 0"),
                           (["--steps", "0"], "error: --steps must be positive, got 0"),
-                          (["--config", str(config)], f"error: --config {config}: seq_len: 'many' is not a valid int")):
+                          (["--config", str(config)], f"error: --config {config}: seq_len: invalid int value: 'many'")):
         results = launch_like_deepspeed(2, args + ["--output_dir", str(tmp_path / "out")], rank0_late_s=4.0)
         text = "".join(out for _, out in results)
         assert text.count(message) == 1 and message in results[0][1], results
