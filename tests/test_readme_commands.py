@@ -8,7 +8,6 @@ point at pages and headings that exist.
 No process is launched here: the trainer's commands are run by the tests COVERED names."""
 
 import ast
-import dataclasses
 import os
 import re
 import shlex
@@ -143,7 +142,7 @@ def test_the_main_job_is_what_the_end_to_end_test_launches():
     the end-to-end test launches exactly that, with COMMON's fewer and shorter steps."""
     words = shlex.split(MAIN_JOB)
     cfg, _ = parse_args(_trainer_flags(words))
-    assert dataclasses.replace(cfg, ds_config=os.path.join(ROOT, cfg.ds_config)) == TrainConfig()  # run from ROOT
+    assert cfg.with_flags(ds_config=os.path.join(ROOT, cfg.parallel.ds_config)) == TrainConfig()  # run from ROOT
     assert deepspeed_launcher(2)[:3] == words[:3]
     path, name = COVERED[MAIN_JOB][0].split("::")
     assert "run(deepspeed_launcher(2), []," in _test_source(path, name)
