@@ -392,3 +392,29 @@ def test_the_fused_kernels_run_the_adapters():
     for name in plain:
         assert plain[name].abs().sum() > 0, name
         torch.testing.assert_close(fused[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_qlora_loading_arguments_pass_transformers_zero3_check():
+    """--load_in_4bit under ZeRO-3 failed on the GPU before any weight was read: the device_map we passed is refused
+    by transformers while an HfDeepSpeedConfig for ZeRO-3 lives. The arguments now pass transformers' own check
+    there, and its bitsandbytes quantizer puts the model on the current device, where the map had."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.accelerate import check_and_set_device_map
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from ulysses_train.model.adapters import quantization_config
+    from ulysses_train.model.build import quantized_loading
+
+    arguments = quantized_loading(quantization_config(torch.bfloat16))
+    assert arguments["quantization_config"].load_in_4bit
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert check_and_set_device_map(arguments.get("device_map")) is None
+        with pytest.raises(ValueError, match="Zero-3 is not compatible with passing a `device_map`"):
+            check_and_set_device_map({"": 0})  # what was passed
+    finally:
+        unset_hf_deepspeed_config()
+        del zero3
+    placed = Bnb4BitHfQuantizer(arguments["quantization_config"]).update_device_map(None)
+    assert placed == {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}

@@ -179,18 +179,22 @@ def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[
     from transformers import AutoModelForCausalLM
 
     if model:
-        extra = {}
-        if quantization is not None:  # quantized as it loads, on this rank's GPU (transformers builds a quantized
-            # model outside zero.Init; deepspeed.initialize then partitions its NF4 words like any parameter)
-            extra = {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
         built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME,
-                                                     **extra)
+                                                     **quantized_loading(quantization))
     else:
         built = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
     report = restore_fp32_buffers(built, dtype)
     if report.restored or report.unchecked:
         log(f"buffers: {report.describe()}")
     return built
+
+
+def quantized_loading(quantization) -> dict:
+    """from_pretrained's arguments for --load_in_4bit: the NF4 weights quantized as they load, on this rank's GPU.
+    transformers builds a quantized model outside zero.Init, and its bitsandbytes quantizer places it on the current
+    device; a device_map given here would be refused while ZeRO-3's HfDeepSpeedConfig lives. deepspeed.initialize
+    then partitions the NF4 words like any parameter."""
+    return {} if quantization is None else {"quantization_config": quantization}
 
 
 def attention_heads(config) -> tuple[int, int]:
