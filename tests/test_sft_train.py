@@ -11,7 +11,7 @@ import pytest
 from tests.distributed import run_distributed
 from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
 from tests.trainer_runs import metrics, plain_ranks, run
-from tests.test_verify import _check
+from tests.verify_runs import verify_settings
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
 
@@ -111,7 +111,7 @@ def verified(chat_files):
                 + _args(chat_files, dataset),
                 "packed": ["--sp_size", "2", "--seq_len", "256", "--verify_seq_len", "128", "--packing"]
                 + _args(chat_files)}
-    results = run_distributed(_check, 4, list(settings.values()), str(chat_files["folder"] / "verify4"),
+    results = run_distributed(verify_settings, 4, list(settings.values()), str(chat_files["folder"] / "verify4"),
                               use_deepspeed=True)[0]
     return dict(zip(settings, results)) | {"lopsided_dataset": dataset}
 
