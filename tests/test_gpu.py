@@ -129,10 +129,10 @@ def test_sp2_model_under_zero3_over_nccl(dtype_name):
     5e-2 relative norm of the fp32 reference (bf16 weights and activations, 8 mantissa bits, through 2 layers)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from tests.test_model_equivalence import _reference, _sharded
+    from tests.model_runs import sharded_run, transformers_reference
 
-    _, _, ref_loss, ref_grads = _reference("qwen3", 3, "fused")
-    results = run_distributed(_sharded, 2, "qwen3", 3, "fused", 3, True, False, dtype_name, False, ("ours", "liger"),
+    _, _, ref_loss, ref_grads = transformers_reference("qwen3", 3, "fused")
+    results = run_distributed(sharded_run, 2, "qwen3", 3, "fused", 3, True, False, dtype_name, False, ("ours", "liger"),
                               use_deepspeed=True, backend="nccl")
     for loss, grads in (by_kernel[kernel] for by_kernel in results for kernel in ("ours", "liger")):
         if dtype_name == "float32":
@@ -263,7 +263,7 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from tests.test_levers import CountAttention
+    from tests.attention_calls import CountAttention
     from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.levers.offload import HostOffload
     from ulysses_train.model.surgery import enable_checkpointing
