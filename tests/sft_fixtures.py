@@ -100,6 +100,25 @@ MULTI_TURN = [{"role": "system", "content": "Be brief."},
               {"role": "assistant", "content": "It sat on the mat."}]
 
 
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                "twelve"]
+
+
+def arithmetic_chats(n=48):
+    """`n` conversations of sums in words ("What is two plus three?" "Five."), a third of them with a second turn,
+    as {"messages": [...]} rows."""
+    rows = []
+    for i in range(n):
+        a, b = i % 7, (3 * i) % 6
+        messages = [{"role": "user", "content": f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?"},
+                    {"role": "assistant", "content": f"{NUMBER_WORDS[a + b].capitalize()}."}]
+        if i % 3 == 0:  # some multi-turn
+            messages += [{"role": "user", "content": "And plus one?"},
+                         {"role": "assistant", "content": f"{NUMBER_WORDS[a + b + 1].capitalize()}."}]
+        rows.append({"messages": messages})
+    return rows
+
+
 def tiny_tokenizer(bos="<|begin_of_text|>", eos="<|im_end|>", template=None):
     """A byte-level BPE of about 400 ids (the tiny model has 512) with ChatML's, Llama-3's and Mistral's special
     tokens, trained in milliseconds."""

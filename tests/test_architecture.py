@@ -1,6 +1,8 @@
 """docs/architecture.md's rule, checked on the source: imports point down (sp < levers < model < data < train < tools),
 including the imports made inside functions, so no package imports one above it and there is no import cycle
-between packages."""
+between packages. And in tests/: no file imports from a test module (`tests.test_*`); what tests share lives in
+helper modules (tests/trainer_runs.py, tests/references.py, ...), so running or editing one test file does not
+import or depend on another."""
 
 import ast
 import os
@@ -8,6 +10,7 @@ import os
 from tests.trainer_runs import ROOT
 
 PACKAGE = os.path.join(ROOT, "ulysses_train")
+TESTS = os.path.join(ROOT, "tests")
 LAYERS = {"errors": 0, "paths": 0, "sp": 1, "levers": 2, "model": 3, "data": 4, "train": 5, "tools": 6}
 
 
@@ -47,3 +50,20 @@ def test_imports_point_down():
                     upward.append(f"{source} -> {target}")
     assert not upward, "imports pointing up (docs/architecture.md):\n" + "\n".join(sorted(upward))
     assert _layer("ulysses_train.train.trainer") == 5  # the rule is read from the real module names
+
+
+def _from_test_module(target: str) -> bool:
+    parts = target.split(".")
+    return len(parts) > 1 and parts[0] == "tests" and parts[1].startswith("test_")
+
+
+def test_no_test_module_imports_from_another():
+    shared = []
+    for folder, _, files in os.walk(TESTS):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                shared += [f"{os.path.relpath(path, ROOT)} -> {t}" for t in _imports(path) if _from_test_module(t)]
+    assert not shared, "imports from test modules (move the helper into a tests/ helper module):\n" + "\n".join(
+        sorted(shared))
+    assert _from_test_module("tests.test_ring.CASES_8") and not _from_test_module("tests.ring_cases.CASES_8")

@@ -6,20 +6,13 @@ epsilon accumulated over the ~64-term softmax sums of this size, far below any i
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.distributed import run_distributed
+from tests.references import causal_attention
 
 B, S, D = 2, 32, 16
 CASES = [(sp, hq, hkv) for sp in (1, 2, 4) for hq, hkv in ((8, 8), (8, 4), (8, 2), (8, 1), (4, 4))
          if hq % sp == 0 and (hkv % sp == 0 or sp % hkv == 0)]
-
-
-def reference(q, k, v):
-    """Single process, whole sequence: GQA by repeating KV heads, causal softmax attention."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)  # (b, s, h, d)
 
 
 def _inputs(seed, hq, hkv):
@@ -112,7 +105,7 @@ def test_ulysses_attention_matches_single_process(sp, hq, hkv, sharded):
     oracle = _oracle(sp, hq, hkv)
     q, k, v, grad_out = _inputs(_seed(sp, hq, hkv), hq, hkv)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = reference(q, k, v)
+    ref = causal_attention(q, k, v)
     ref.backward(grad_out)
     groups = sharded[(sp, hq, hkv)]
     assert len(groups) == max(s for s, _, _ in CASES) // sp and all(len(results) == sp for results in groups)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
-from tests.trainer_runs import ROOT, TRAIN, child_env, deepspeed_launcher, launch_port, metrics, torchrun_launcher
+from tests.trainer_runs import (ROOT, TRAIN, checkpoint_weights, child_env, deepspeed_launcher, launch_port, metrics,
+                                torchrun_launcher)
 
 ARGS = ["--seq_len", "128", "--steps", "6", "--save_steps", "3", "--lr", "3e-3"]
 HANG_GUARD_S = 600
@@ -32,15 +33,6 @@ def launch(out_dir, extra=(), fault=None, expect_rc=0):
         as_expected = ranks.codes == [expect_rc] * 2
     assert as_expected, (ranks.codes, ranks.stdout[-3000:] + ranks.stderr[-3000:])
     return ranks
-
-
-def weights(checkpoint):
-    """The consolidated fp32 weights of a checkpoint (the export path)."""
-    from ulysses_train.train.checkpoint import safe_loading
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with safe_loading():
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")
 
 
 def ckpt(out_dir, step):
@@ -64,7 +56,7 @@ def assert_same_run(a, b):
     ra, rb = metrics(a), metrics(b)
     assert [r["step"] for r in rb] == list(range(1, 7))
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
-    wa, wb = weights(ckpt(a, 6)), weights(ckpt(b, 6))
+    wa, wb = checkpoint_weights(ckpt(a, 6)), checkpoint_weights(ckpt(b, 6))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -154,7 +146,7 @@ def test_nan_loss_stops_naming_the_step_or_is_skipped(tmp_path):
     launch(tmp_path / "skip", ["--skip_nonfinite"], fault="nan:2")
     records = metrics(tmp_path / "skip")
     assert len(records) == 6 and [r["skipped"] for r in records] == [False, True] + [False] * 4
-    assert all(torch.isfinite(w).all() for w in weights(ckpt(tmp_path / "skip", 6)).values())
+    assert all(torch.isfinite(w).all() for w in checkpoint_weights(ckpt(tmp_path / "skip", 6)).values())
 
 
 def test_sigterm_saves_and_the_next_launch_resumes(straight, tmp_path):

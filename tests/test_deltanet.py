@@ -208,7 +208,7 @@ def test_verify_passes_for_the_deltanet_families_at_sp2_packed_and_not(tmp_path)
     each document alone (train/verify_reference.py: forward_by_document)."""
     import json
 
-    from tests.test_verify import _check
+    from tests.verify_runs import verify_settings
 
     data = tmp_path / "docs.jsonl"
     lengths = [23, 2, 41, 17, 30, 9, 50, 12]  # packed first-fit into 64-token rows: several documents a row
@@ -228,7 +228,7 @@ def test_verify_passes_for_the_deltanet_families_at_sp2_packed_and_not(tmp_path)
             argv += ["--dataset", str(data), "--tokenizer", "bytes", "--packing", "--seq_len", "64",
                      "--data_cache_dir", str(tmp_path / "cache")]
         settings.append(argv)
-    results = run_distributed(_check, 2, settings, str(tmp_path), use_deepspeed=True)[0]
+    results = run_distributed(verify_settings, 2, settings, str(tmp_path), use_deepspeed=True)[0]
     for (name, _), result in zip((("qwen3_5_text", 0), ("qwen3_5_moe_text", 1), ("qwen3_next", 1)), results):
         assert result["passed"], (name, result)
         assert "sp 2 x dp 1" in result["setup"], name

@@ -96,11 +96,11 @@ def test_conversations_count_only_trained_tokens(setup):
     `return_assistant_tokens_mask` on the same template with `{% generation %}` markers."""
     from transformers import AutoModelForCausalLM
 
-    from tests.sft_fixtures import CHATML_PLAIN, CHATML_QWEN, MULTI_TURN, tiny_tokenizer, write_jsonl
-    from tests.test_sft_train import _chats
+    from tests.sft_fixtures import (CHATML_PLAIN, CHATML_QWEN, MULTI_TURN, arithmetic_chats, tiny_tokenizer,
+                                    write_jsonl)
 
     seq, n = 128, 3
-    chats = [MULTI_TURN] + [row["messages"] for row in _chats(4)[::3]]  # multi-turn ones, with a tool turn
+    chats = [MULTI_TURN] + [row["messages"] for row in arithmetic_chats(4)[::3]]  # multi-turn ones, with a tool turn
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(setup / "chat_tokenizer")
     (setup / "chatml.jinja").write_text(CHATML_PLAIN)

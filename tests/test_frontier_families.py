@@ -130,7 +130,7 @@ def test_frontier_families_at_sp4_with_replicated_kv_heads_match_transformers():
 def test_verify_passes_for_every_frontier_family_at_sp2(tmp_path):
     """`--verify` (the trainer as configured, ZeRO-3, every lever the policy picks, against plain transformers) at
     SP=2 for each family, one trainer after another in one launch."""
-    from tests.test_verify import _check
+    from tests.verify_runs import verify_settings
 
     settings = []
     for name in FRONTIER:
@@ -138,7 +138,7 @@ def test_verify_passes_for_every_frontier_family_at_sp2(tmp_path):
         path.write_text(frontier_config(name).to_json_string())
         settings.append(["--model_config", str(path), "--sp_size", "2", "--verify_seq_len", "64",
                          "--ds_config", "ds_configs/zero3.json"])
-    results = run_distributed(_check, 2, settings, str(tmp_path), use_deepspeed=True)[0]
+    results = run_distributed(verify_settings, 2, settings, str(tmp_path), use_deepspeed=True)[0]
     for name, result in zip(FRONTIER, results):
         assert result["passed"], (name, result)
         assert "sp 2 x dp 1" in result["setup"] and result["ours"]["grad_max"] < 1e-5, name

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_attention_equivalence import reference
+from tests.references import causal_attention
 
 pytestmark = pytest.mark.gpu
 B, S, D = 1, 4096, 128
@@ -31,7 +31,7 @@ def test_kernel_bf16_matches_fp32_reference(kernel):
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, h, S, D, device="cuda", generator=g) for h in (32, 8, 8))
-    ref = reference(q.double(), k.double(), v.double())
+    ref = causal_attention(q.double(), k.double(), v.double())
     out, _ = UlyssesAttention(None, kernel)(None, *(t.bfloat16() for t in (q, k, v)), None, scaling=D ** -0.5)
     assert _rel(out, ref) < 1e-2
 
@@ -129,10 +129,10 @@ def test_sp2_model_under_zero3_over_nccl(dtype_name):
     5e-2 relative norm of the fp32 reference (bf16 weights and activations, 8 mantissa bits, through 2 layers)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from tests.test_model_equivalence import _reference, _sharded
+    from tests.model_runs import sharded_run, transformers_reference
 
-    _, _, ref_loss, ref_grads = _reference("qwen3", 3, "fused")
-    results = run_distributed(_sharded, 2, "qwen3", 3, "fused", 3, True, False, dtype_name, False, ("ours", "liger"),
+    _, _, ref_loss, ref_grads = transformers_reference("qwen3", 3, "fused")
+    results = run_distributed(sharded_run, 2, "qwen3", 3, "fused", 3, True, False, dtype_name, False, ("ours", "liger"),
                               use_deepspeed=True, backend="nccl")
     for loss, grads in (by_kernel[kernel] for by_kernel in results for kernel in ("ours", "liger")):
         if dtype_name == "float32":
@@ -263,7 +263,7 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from tests.test_levers import CountAttention
+    from tests.attention_calls import CountAttention
     from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.levers.offload import HostOffload
     from ulysses_train.model.surgery import enable_checkpointing
@@ -360,7 +360,7 @@ def test_ring_blocks_bf16_match_fp64_reference(kernel, ring):
     """The ring's block kernels on the GPU (cuDNN, FA2, FA4: forward with the log-sum-exp, backward from the merged
     output), every rank in one process, packed documents in the second row: against fp64 masked attention."""
     from benchmarks.ring_bench import ring_in_one_process
-    from tests.test_ring import doc_ids, reference_with_grads
+    from tests.references import doc_ids, masked_attention_with_grads
     from ulysses_train.sp.block_kernels import block_kernel
     from ulysses_train.sp.kernels import kernel_available
 
@@ -369,7 +369,8 @@ def test_ring_blocks_bf16_match_fp64_reference(kernel, ring):
     g = torch.Generator().manual_seed(ring)
     q, k, v, dout = (torch.randn(2, S, h, D, generator=g) for h in (32, 8, 8, 32))
     docs = [[S], [1000, 96, S - 1096]]
-    want = [t.cpu() for t in reference_with_grads(*(t.cuda().double() for t in (q, k, v, dout)), docs, D ** -0.5)]
+    want = [t.cpu() for t in masked_attention_with_grads(*(t.cuda().double() for t in (q, k, v, dout)), docs,
+                                                         D ** -0.5)]
     got_out, got_grads = ring_in_one_process(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), ring, D ** -0.5,
                                              block_kernel(kernel, torch.device("cuda"), torch.bfloat16),
                                              doc_ids(docs), dout.to("cuda", torch.bfloat16))
@@ -399,7 +400,7 @@ def _nccl_ring(rank, world, kernel, seed):
 def test_ring_over_nccl_matches_fp64_reference(kernel):
     """A ring of 2 GPUs (K/V blocks and dK/dV over NCCL point-to-point) in bf16: every rank's shard of the output
     and of dq, dk, dv against fp64 attention over the whole sequence."""
-    from tests.test_ring import reference_with_grads
+    from tests.references import masked_attention_with_grads
     from ulysses_train.sp.kernels import kernel_available
 
     if torch.cuda.device_count() < 2:
@@ -409,7 +410,7 @@ def test_ring_over_nccl_matches_fp64_reference(kernel):
     results = run_distributed(_nccl_ring, 2, kernel, 11, backend="nccl")
     g = torch.Generator().manual_seed(11)
     q, k, v, dout = (torch.randn(B, S, h, D, generator=g).cuda().bfloat16().double() for h in (32, 8, 8, 32))
-    want = [t.cpu() for t in reference_with_grads(q, k, v, dout, None, D ** -0.5)]
+    want = [t.cpu() for t in masked_attention_with_grads(q, k, v, dout, None, D ** -0.5)]
     for r in results:
         for name, ref in zip(("out", "dq", "dk", "dv"), want):
             assert _rel(r[name], ref[:, r["rows"]]) < 2e-2, name
@@ -421,8 +422,7 @@ def test_ring_over_nccl_matches_fp64_reference(kernel):
 def test_patterns_in_bf16_match_fp64_on_gpu(kernel, case):
     """Windows, sinks and softcaps in each kernel that takes them (sp/support.py says which), bf16 against plain
     attention in fp64, packed into two documents: the output and every gradient within bf16's error."""
-    from tests.test_patterns import _plain
-    import tests.test_patterns as tp
+    from tests.references import pattern_attention
     from ulysses_train.sp.kernels import KERNELS, kernel_available
     from ulysses_train.sp.patterns import Pattern
 
@@ -436,23 +436,18 @@ def test_patterns_in_bf16_match_fp64_on_gpu(kernel, case):
     k, v = (torch.randn(1, kv, s, d, device="cuda", generator=g) for _ in range(2))
     sinks = torch.randn(h, device="cuda", generator=g) if case.get("sinks") else None
     dout = torch.randn(1, s, h, d, device="cuda", generator=g)
-    saved = tp.S, tp.H, tp.KV, tp.SCALE
-    tp.S, tp.H, tp.KV, tp.SCALE = s, h, kv, d ** -0.5
-    try:
-        results = []
-        for dtype in (torch.float64, torch.bfloat16):
-            inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)] + (
-                [sinks.float().requires_grad_()] if sinks is not None else [])
-            sink = inputs[3] if sinks is not None else None
-            if dtype == torch.float64:
-                out = _plain(*inputs[:3], docs, case.get("window"), case.get("softcap"), sink.double()
-                             if sink is not None else None)
-            else:
-                out = KERNELS[kernel](*inputs[:3], d ** -0.5, [docs], Pattern(case.get("window"),
-                                                                              case.get("softcap"), sink))
-            results.append((out, torch.autograd.grad(out, inputs, dout.to(dtype))))
-    finally:
-        tp.S, tp.H, tp.KV, tp.SCALE = saved
+    results = []
+    for dtype in (torch.float64, torch.bfloat16):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)] + (
+            [sinks.float().requires_grad_()] if sinks is not None else [])
+        sink = inputs[3] if sinks is not None else None
+        if dtype == torch.float64:
+            out = pattern_attention(*inputs[:3], docs, case.get("window"), case.get("softcap"), sink.double()
+                                    if sink is not None else None, d ** -0.5)
+        else:
+            out = KERNELS[kernel](*inputs[:3], d ** -0.5, [docs], Pattern(case.get("window"), case.get("softcap"),
+                                                                          sink))
+        results.append((out, torch.autograd.grad(out, inputs, dout.to(dtype))))
     (want, want_grads), (got, got_grads) = results
     assert _rel(got, want) < 1e-2
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got_grads, want_grads):

@@ -7,24 +7,13 @@ bookkeeping and the exactness are what is tested here; tests/test_gpu.py runs th
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.attention_calls import CountAttention
 from tests.distributed import run_distributed
 from tests.models import tiny_config
 from ulysses_train.levers.fused_kernels import triton_importable
 
 SEQ = 64
-
-
-class CountAttention(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if ("scaled_dot_product" in str(func) or "fa4_fwd" in str(func)) and "backward" not in str(func):
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False, kernel="sdpa",

@@ -153,14 +153,14 @@ def test_lora_under_sp_and_zero3_equals_transformers_and_peft(launched):
 
 
 def test_lora_checkpoints_resume_bit_exact_and_hold_only_what_is_trained(launched):
-    from tests.test_checkpoints import weights
+    from tests.trainer_runs import checkpoint_weights
 
     results, tmp = launched
     losses, resumed = results["losses"], results["resumed_losses"]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert resumed == losses[2:]  # the resumed run's steps 3 and 4, bit for bit
     ckpt = "checkpoints/step_00000004"
-    straight, again = weights(tmp / "run" / ckpt), weights(tmp / "resumed" / ckpt)
+    straight, again = checkpoint_weights(tmp / "run" / ckpt), checkpoint_weights(tmp / "resumed" / ckpt)
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
     # only the adapters and the modules trained whole (lm_head is embed_tokens, tied)
     assert all(".lora_" in k or k.endswith("norm.weight") or k.endswith(("embed_tokens.weight", "lm_head.weight"))

@@ -6,28 +6,12 @@ documents, and the banded path's memory (no mask larger than a block and its win
 import pytest
 import torch
 
+from tests.references import pattern_attention
 from ulysses_train.sp import fa4_op, kernels, patterns
 from ulysses_train.sp.patterns import Pattern, chunk_documents
 
 S, H, KV, D = 40, 4, 2, 8
 SCALE = 0.3
-
-
-def _plain(q, k, v, docs, window, softcap, sinks):
-    """The attention every family's eager code computes, on the whole (b, h, s, d) row, with the documents apart."""
-    k, v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-1, -2)) * SCALE
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs)).to(q.device)
-    i, j = torch.arange(S, device=q.device)[:, None], torch.arange(S, device=q.device)[None]
-    keep = (j <= i) & (doc[:, None] == doc[None])
-    if window:
-        keep &= j > i - window
-    scores = scores.masked_fill(~keep, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    return (torch.softmax(scores, dim=-1)[..., :S] @ v).transpose(1, 2)
 
 
 CASES = [dict(window=6), dict(sinks=True), dict(window=6, sinks=True), dict(softcap=1.5),
@@ -50,7 +34,7 @@ def test_pattern_matches_plain_attention(case, docs, kernel, monkeypatch):
                                                                    is not None else [])
         s = inputs[3] if sinks is not None else None
         if run == "plain":
-            out = _plain(*inputs[:3], docs or [S], case.get("window"), case.get("softcap"), s)
+            out = pattern_attention(*inputs[:3], docs or [S], case.get("window"), case.get("softcap"), s, SCALE)
         else:
             pattern = Pattern(case.get("window"), case.get("softcap"), s)
             out = kernels.KERNELS[kernel](*inputs[:3], SCALE, [docs] if docs else None, pattern)

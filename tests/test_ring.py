@@ -1,27 +1,26 @@
 """Ring attention and the hybrid Ulysses x ring (ulysses_train/sp/ring.py): exact against one process.
 
 In fp64 on CPU, so that any error of indexing, masking or merging (O(1)) stands out from rounding (1e-15); the
-references are plain SDPA over the whole sequence with a causal (and, packed, same-document) mask, computed in the
-same test. The ring's arithmetic is checked in one process first (every rank in turn, benchmarks/ring_bench.py's
-`ring_in_one_process`), then through real process groups (gloo) for (ulysses, ring) in {(1,2), (2,2), (1,4)} in one
-launch of 4 processes and {(2,4), (4,2)} in one launch of 8: outputs and dq/dk/dv of every rank's shard, GQA with
-KV heads split or replicated inside the Ulysses part, packed documents, and the FA4 block path (its kernels swapped
-for their exact reference, as in tests/test_levers.py)."""
+references are plain SDPA over the whole sequence with a causal (and, packed, same-document) mask
+(tests/references.py), computed in the same test. The ring's arithmetic is checked in one process first (every rank
+in turn, benchmarks/ring_bench.py's `ring_in_one_process`), then through real process groups (gloo) for (ulysses,
+ring) in {(1,2), (2,2), (1,4)} in one launch of 4 processes and {(2,4), (4,2)} in one launch of 8 (the cases of
+tests/ring_cases.py): outputs and dq/dk/dv of every rank's shard, GQA with KV heads split or replicated inside the
+Ulysses part, packed documents, and the FA4 block path (its kernels swapped for their exact reference, as in
+tests/test_levers.py)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from benchmarks.ring_bench import ring_in_one_process
 from tests.distributed import run_distributed
+from tests.references import doc_ids, masked_attention_with_grads
+from tests.ring_cases import CASES_4, CASES_8, DTYPE, PACKED, inputs, run_cases
 from ulysses_train.sp.block_kernels import REFERENCE, block_kernel
 from ulysses_train.sp.ring import step_tiles
 from ulysses_train.sp.sharding import block_positions, shard_order, shard_sequence
 
-DTYPE = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)
-B, D, S = 2, 8, 48  # S: a multiple of lcm(2 ring, sp) for every case below
-PACKED = [[5, 17, 1, 25], [S]]  # documents per batch row: boundaries inside chunks and across them; one whole row
 
 
 @pytest.fixture(autouse=True)
@@ -31,34 +30,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def doc_ids(lengths):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
-
-
-def reference(q, k, v, docs=None, scale=0.3):
-    """q (b, s, h, d), k/v (b, s, hkv, d) -> out (b, s, h, d): causal, inside documents when `docs` is given."""
-    s = q.shape[1]
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
-    if docs is not None:
-        ids = doc_ids(docs).to(q.device)
-        mask = mask & (ids[:, :, None] == ids[:, None, :])[:, None]
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def inputs(seed, hq, hkv, s=S):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, s, h, D, generator=g, dtype=DTYPE) for h in (hq, hkv, hkv, hq)]  # q, k, v, dout
-
-
-def reference_with_grads(q, k, v, dout, docs, scale=0.3):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = reference(q, k, v, docs, scale)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
 
 
 # ---------------------------------------------------------------- one process
@@ -72,7 +43,7 @@ def test_ring_arithmetic_in_one_process():
         s = 8 * ring * 2
         for (hq, hkv), docs in (((4, 4), None), ((4, 2), None), ((4, 1), [[3, s - 10, 7], [s]])):
             q, k, v, dout = inputs(ring * 10 + hkv, hq, hkv, s)
-            want = reference_with_grads(q, k, v, dout, docs)
+            want = masked_attention_with_grads(q, k, v, dout, docs)
             ids = None if docs is None else doc_ids(docs)
             for kernel in (block_kernel("sdpa", q.device, DTYPE), REFERENCE):
                 out, grads = ring_in_one_process(q, k, v, ring, 0.3, kernel, ids, dout)
@@ -136,37 +107,9 @@ def test_shards_are_the_zigzag_chunks_with_their_labels_and_positions():
 # ---------------------------------------------------------------- process groups
 
 
-def _run_cases(rank, world, cases):
-    """Each case on the SP groups that SequenceParallelGroups builds for it; every rank returns its shard's
-    results and the ranks of its groups."""
-    import torch.distributed as dist
-
-    from ulysses_train.sp import fa4_op
-    from ulysses_train.sp.attention import UlyssesAttention
-    from ulysses_train.sp.groups import SequenceParallelGroups
-
-    fa4_op.IMPL.update(forward=fa4_op.reference_forward, backward=fa4_op.reference_backward)  # FA4's path on CPU
-    results = []
-    for sp, ring, hq, hkv, packed, kernel, seed in cases:
-        groups = SequenceParallelGroups(sp, ring)
-        q, k, v, dout = inputs(seed, hq, hkv)
-        local = S // sp
-        mine = shard_order(S, ring)[groups.sp_rank * local:(groups.sp_rank + 1) * local]
-        ql, kl, vl = (t[:, mine].transpose(1, 2).clone().requires_grad_() for t in (q, k, v))  # (b, h, s/sp, d)
-        attention = UlyssesAttention(groups.ulysses_group, kernel, groups.ring_group)
-        attention.doc_lengths = PACKED if packed else None
-        out, _ = attention(None, ql, kl, vl, None, scaling=0.3)
-        out.backward(dout[:, mine])
-        results.append({"rows": mine, "out": out.detach(), "dq": ql.grad.transpose(1, 2),
-                        "dk": kl.grad.transpose(1, 2), "dv": vl.grad.transpose(1, 2),
-                        "ulysses": dist.get_process_group_ranks(groups.ulysses_group),
-                        "ring": dist.get_process_group_ranks(groups.ring_group)})
-    return results
-
-
 def _check_attention(per_rank, cases):
     for c, (sp, ring, hq, hkv, packed, kernel, seed) in enumerate(cases):
-        want = reference_with_grads(*inputs(seed, hq, hkv), PACKED if packed else None)
+        want = masked_attention_with_grads(*inputs(seed, hq, hkv), PACKED if packed else None)
         ulysses = sp // ring
         for rank, results in enumerate(per_rank):
             got = results[c]
@@ -280,15 +223,9 @@ class CountRing:
 
 
 def _four_ranks(rank, world, attention_cases, model_case):
-    return _run_cases(rank, world, attention_cases), _model_case(rank, world, *model_case)
+    return run_cases(rank, world, attention_cases), _model_case(rank, world, *model_case)
 
 
-# (sp, ring, q heads, kv heads, packed, kernel, seed)
-CASES_4 = [(2, 2, 8, 2, False, "sdpa", 1), (2, 2, 8, 2, True, "sdpa", 2), (2, 2, 8, 8, True, "flash_attn_4", 3),
-           (4, 2, 8, 2, False, "sdpa", 4), (4, 2, 8, 1, True, "sdpa", 5), (4, 2, 8, 2, True, "flash_attn_4", 6),
-           (4, 4, 8, 2, False, "sdpa", 7), (4, 4, 8, 4, True, "sdpa", 8)]
-CASES_8 = [(8, 4, 8, 2, True, "sdpa", 9), (8, 4, 8, 1, False, "sdpa", 10),
-           (8, 2, 8, 2, True, "sdpa", 11), (8, 2, 8, 4, False, "flash_attn_4", 12)]
 MODEL_CASE = ("qwen3", 4, 2, True, 21)  # family, sp, ring, packed, seed
 
 

@@ -9,32 +9,16 @@ import sys
 import pytest
 
 from tests.distributed import run_distributed
-from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
+from tests.sft_fixtures import CHATML_QWEN, NUMBER_WORDS, arithmetic_chats, tiny_tokenizer, write_jsonl
 from tests.trainer_runs import metrics, plain_ranks, run
-from tests.test_verify import _check
-
-WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
-
-
-def _chats(n=48):
-    rows = []
-    for i in range(n):
-        a, b = i % 7, (3 * i) % 6
-        messages = [{"role": "user", "content": f"What is {WORDS[a]} plus {WORDS[b]}?"},
-                    {"role": "assistant", "content": f"{WORDS[a + b].capitalize()}."}]
-        if i % 3 == 0:  # some multi-turn
-            messages += [{"role": "user", "content": "And plus one?"},
-                         {"role": "assistant", "content": f"{WORDS[a + b + 1].capitalize()}."}]
-        rows.append({"messages": messages})
-    return rows
-
+from tests.verify_runs import verify_settings
 
 @pytest.fixture(scope="module")
 def chat_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sft")
     tiny_tokenizer().save_pretrained(folder / "tokenizer")
     (folder / "chatml.jinja").write_text(CHATML_QWEN)
-    return {"chats": write_jsonl(folder / "chats.jsonl", _chats()), "tokenizer": str(folder / "tokenizer"),
+    return {"chats": write_jsonl(folder / "chats.jsonl", arithmetic_chats()), "tokenizer": str(folder / "tokenizer"),
             "template": str(folder / "chatml.jinja"), "cache": str(folder / "cache"), "folder": folder}
 
 
@@ -94,7 +78,7 @@ def test_verify_on_packed_chat_data(chat_files, verified):
 def _lopsided_chats():
     """A: a long user turn and a short answer at the end (every target on SP rank 1 of 2); B: no assistant turn
     (no target at all); C and D: short conversations."""
-    long_question = "What is " + " plus ".join(WORDS[:10]) + "?"
+    long_question = "What is " + " plus ".join(NUMBER_WORDS[:10]) + "?"
     return [{"messages": [{"role": "user", "content": long_question}, {"role": "assistant", "content": "Nine."}]},
             {"messages": [{"role": "user", "content": "Hello there, how are you?"}]},
             {"messages": [{"role": "user", "content": "What is two plus two?"},
@@ -111,7 +95,7 @@ def verified(chat_files):
                 + _args(chat_files, dataset),
                 "packed": ["--sp_size", "2", "--seq_len", "256", "--verify_seq_len", "128", "--packing"]
                 + _args(chat_files)}
-    results = run_distributed(_check, 4, list(settings.values()), str(chat_files["folder"] / "verify4"),
+    results = run_distributed(verify_settings, 4, list(settings.values()), str(chat_files["folder"] / "verify4"),
                               use_deepspeed=True)[0]
     return dict(zip(settings, results)) | {"lopsided_dataset": dataset}
 

@@ -14,20 +14,9 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.trainer_runs import ROOT, deepspeed_launcher, run
+from tests.verify_runs import verify_settings
 
 DS = os.path.join(ROOT, "ds_configs")
-
-
-def _check(rank, world, settings, tmp):
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.trainer import Trainer
-    from ulysses_train.train.verify import run_verify
-
-    results = []
-    for i, argv in enumerate(settings):
-        cfg, explicit = parse_args(argv + ["--verify", "--output_dir", os.path.join(tmp, str(i))])
-        results.append(run_verify(Trainer(cfg, explicit)))
-    return results
 
 
 GRID = [(sp, zero, loss) for sp in (1, 2, 4) for zero in ("zero2", "zero3") for loss in ("fused", "plain")]
@@ -44,7 +33,7 @@ def test_verify_passes_for_sp_zero_stage_and_loss(tmp_path):
     settings = [["--sp_size", str(sp), "--ds_config", configs[zero], "--loss", loss, "--verify_seq_len", "128"]
                 for sp, zero, loss in grid]
     settings[-1] += ["--grad_accum", "2"]  # two micro-steps: the reference averages all four sequences
-    results = run_distributed(_check, 4, settings, str(tmp_path), use_deepspeed=True)[0]
+    results = run_distributed(verify_settings, 4, settings, str(tmp_path), use_deepspeed=True)[0]
     for (sp, zero, loss), argv, result in zip(grid, settings, results):
         assert result["passed"], (sp, zero, loss, result)
         assert f"sp {sp} x dp {4 // sp}" in result["setup"] and f"ZeRO-{zero[-1]}" in result["setup"]
@@ -73,7 +62,8 @@ def _faulty(rank, world, tmp, faults):
             models.restore_fp32_buffers = trainer.restore_fp32_buffers = lambda model, dtype: BufferReport()
         if fault == "sp gradient scale":  # each SP rank's share reduced as if it were a whole sequence's gradient
             trainer.sp_backward_scale = lambda ds, sp: 1
-        results[fault] = _check(rank, world, [["--dtype", "bf16", "--seq_len", "1024"]], os.path.join(tmp, fault))[0]
+        results[fault] = verify_settings(rank, world, [["--dtype", "bf16", "--seq_len", "1024"]],
+                                         os.path.join(tmp, fault))[0]
         models.restore_fp32_buffers, trainer.restore_fp32_buffers, trainer.sp_backward_scale = originals
     return results
 

@@ -69,6 +69,15 @@ def metrics(out_dir) -> list[dict]:
     return records
 
 
+def checkpoint_weights(checkpoint):
+    """The consolidated fp32 weights of a checkpoint folder (the export path)."""
+    from ulysses_train.train.checkpoint import safe_loading
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with safe_loading():
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")
+
+
 def assert_same_curve(a, b):
     assert len(a) == len(b) >= 4
     for ra, rb in zip(a, b):

@@ -1,5 +1,5 @@
 """Run under torchrun: train with the real Trainer (flags from argv, as launch/train.py runs them), then, on the
-same processes, run the hybrid attention cases of tests/test_ring.py (`CASES_8`) and save each rank's results to
+same processes, run the hybrid attention cases of tests/ring_cases.py (`CASES_8`) and save each rank's results to
 $RING_CASES_OUT/<rank>.pt. One launch of 8 processes serves both checks (8-process runs are the slow ones on CPU)."""
 import os
 import sys
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.test_ring import CASES_8, _run_cases  # noqa: E402
+from tests.ring_cases import CASES_8, run_cases  # noqa: E402
 from ulysses_train.train.config import parse_args  # noqa: E402
 from ulysses_train.train.launcher import normalise_launcher_env  # noqa: E402
 from ulysses_train.train.loop import train  # noqa: E402
@@ -20,7 +20,7 @@ normalise_launcher_env()
 trainer = Trainer(cfg, explicit)
 train(trainer)
 torch.set_num_threads(1)
-results = _run_cases(trainer.rank, trainer.world, CASES_8)
+results = run_cases(trainer.rank, trainer.world, CASES_8)
 torch.save(results, os.path.join(os.environ["RING_CASES_OUT"], f"{trainer.rank}.pt"))
 dist.barrier()
 dist.destroy_process_group()  # without it, gloo's teardown at interpreter exit now and then aborts a finished rank
