@@ -61,3 +61,6 @@ def test_settings_errors_exit_2(data, capsys):
     assert code == 2 and "none.jsonl" in out.err
     code, out = _run(data, capsys, "--dataset", data["pairs"], "--seq_len", "255", "--sp_size", "2")
     assert code == 2 and "--seq_len 255" in out.err
+    code, out = _run(data, capsys, "--no_such_flag", "1")  # a trainer flag mistyped: one line, not a traceback
+    assert code == 2 and out.err.startswith("error: unrecognized arguments: --no_such_flag 1")
+    assert "Traceback" not in out.err

@@ -175,9 +175,9 @@ def main(argv=None) -> int:
     from ..train.config import parse_args
 
     own, rest = _parser().parse_known_args(argv)
-    cfg, _ = parse_args(rest)
     color = own.color == "always" or (own.color == "auto" and sys.stdout.isatty())
     try:
+        cfg, _ = parse_args(rest)  # the trainer's flags: a wrong one is one line, as from launch/train.py
         if own.num_samples < 1:
             raise ConfigError(f"--num_samples must be positive, got {own.num_samples}")
         preview(cfg, own.num_samples, color)

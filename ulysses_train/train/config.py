@@ -334,6 +334,7 @@ def build_parser(raise_errors: bool = False) -> _Parser:
     the group's docstring). No flag has a default in the parser: what was given is what the namespace holds
     (_parse adds the defaults), so a file and the command line can be layered."""
     parser = _Parser(prog="launch/train.py", raise_errors=raise_errors, argument_default=argparse.SUPPRESS,
+                     usage="%(prog)s [--config FILE] [--FLAG VALUE ...]  (the flags by group below; docs/flags.md)",
                      description="Long-context fine-tuning with Ulysses sequence parallelism on the DeepSpeed engine. "
                                  "A --config YAML file takes these flags flat (seq_len: 4096) or under their "
                                  "group's key, in brackets below (data: {seq_len: 4096}).")
