@@ -1,5 +1,5 @@
-"""The configuration grouped by concern (train/config_groups.py, train/config.py): YAML flat or grouped, config.yaml grouped and read back,
---help in one section per group, every bound checked and named by its flag, the parser's types read from the
+"""The configuration grouped by concern (train/config_groups.py, train/config.py): YAML flat or grouped,
+config.yaml grouped and read back, --help in one section per group, every bound checked and named by its flag, the parser's types read from the
 annotations, and TrainConfig built from its groups (no processes)."""
 
 import argparse
@@ -116,7 +116,8 @@ def test_the_parser_takes_its_types_and_choices_from_the_annotations():
     with pytest.raises(ConfigError, match="--dtype: invalid choice: 'fp16'"):
         parse_args(["--dtype", "fp16"])
     for module in ("config.py", "config_groups.py"):
-        assert "eval(" not in open(os.path.join(os.path.dirname(__file__), "..", "ulysses_train", "train", module)).read()
+        path = os.path.join(os.path.dirname(__file__), "..", "ulysses_train", "train", module)
+        assert "eval(" not in open(path).read()
 
 
 def test_trainconfig_is_built_from_its_groups():
@@ -128,7 +129,10 @@ def test_trainconfig_is_built_from_its_groups():
     assert cfg.get("seq_len") == 4096 and cfg.to_dict()["lr"] == 1e-4
     with pytest.raises(TypeError, match="TrainConfig has no flag 'learning_rate'"):
         TrainConfig.from_flags({"learning_rate": 1e-4})  # aliases are for files, dicts and the command line
-    with pytest.raises(TypeError, match="TrainConfig.optim takes a OptimConfig, not AdapterConfig"):
+    with pytest.raises(TypeError, match="TrainConfig.optim must be OptimConfig, not AdapterConfig"):
         TrainConfig(optim=AdapterConfig())
     assert not set(GROUPS) & set(FLAGS)  # cfg.<group> and a flag never share a name
     assert isinstance(build_parser(), argparse.ArgumentParser)
+    import ulysses_train
+
+    assert all(getattr(ulysses_train, cls.__name__) is cls for cls in GROUPS.values())  # from ulysses_train import ...

@@ -49,7 +49,7 @@ class TrainConfig:
     def __post_init__(self):
         for name, cls in GROUPS.items():
             if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"TrainConfig.{name} takes a {cls.__name__}, not {type(getattr(self, name)).__name__}")
+                raise TypeError(f"TrainConfig.{name} must be {cls.__name__}, not {type(getattr(self, name)).__name__}")
 
     @classmethod
     def from_flags(cls, values: dict) -> "TrainConfig":
