@@ -166,8 +166,9 @@ class OptimConfig:
                              "init and 1e-5 for a pretrained --model.", gt=0)
     lr_scheduler_type: Literal[LR_SCHEDULES] = _f("cosine", "The lr after the warmup: cosine or linear decay from --lr "
                                                   "to --lr x --min_lr_ratio at the last step, or constant_with_warmup.")
-    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.",
-                             ge=0, le=1, why="it is the fraction of --lr the cosine decay ends at")
+    min_lr_ratio: float = _f(0.1, "Where the cosine and linear decays end: --lr x min_lr_ratio at the last step "
+                             "(0: transformers' schedules, which end at 0).",
+                             ge=0, le=1, why="it is the fraction of --lr the decay ends at")
     warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: --warmup_ratio, else 10%% of --steps.")
     warmup_ratio: Optional[float] = _f(None, "Warmup as a fraction of --steps (rounded up), unless --warmup_steps is "
                                        "given and > 0.", ge=0, le=1)
