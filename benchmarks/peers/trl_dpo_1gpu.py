@@ -6,8 +6,9 @@ Writes trl_dpo_<SIDE>.json into $OUT or the current folder."""
 import os, sys, time, json, resource
 import torch
 from datasets import load_dataset
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, TrainerCallback
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 from trl import DPOConfig, DPOTrainer
+from peer_common import StepTimer
 
 DATA, SIDE, STEPS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 LAYERS, ATTN = int(os.environ.get("LAYERS", 36)), os.environ.get("ATTN", "sdpa")
@@ -25,20 +26,12 @@ tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(DATA, "tokenizer"))
 ds = load_dataset("json", data_files=os.path.join(DATA, f"pairs_{SIDE}.jsonl"), split="train")
 
 
-class Timer(TrainerCallback):
-    def __init__(self): self.times = []
-    def on_step_begin(self, *a, **k): torch.cuda.synchronize(); self.t = time.perf_counter()
-    def on_step_end(self, *a, **k):
-        torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.t)
-        print(f"step {len(self.times)}: {self.times[-1]:.2f} s, peak {torch.cuda.max_memory_allocated()/2**30:.1f} GiB", flush=True)
-
-
 args = DPOConfig(output_dir="/tmp/trl_dpo_out", max_length=None, per_device_train_batch_size=1, max_steps=STEPS,
                  bf16=True, gradient_checkpointing=True,
                  gradient_checkpointing_kwargs={"offload": True, "use_reentrant": False},
                  precompute_ref_log_probs=True, logging_steps=1, report_to="none", learning_rate=1e-5,
                  save_strategy="no", dataloader_num_workers=0)
-timer = Timer()
+timer = StepTimer()
 start = time.perf_counter()
 tr = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[timer])
 init_s = time.perf_counter() - start  # tokenizing and the reference log-probs of every pair

@@ -4,13 +4,12 @@ on a random-init preset of ulysses_train/model/build.py (default Qwen3-8B), one 
 usage: [PRESET=qwen3-8b] [ATTN=sdpa|flash_attention_4] [LAYERS=N] [LIGER=1] python benchmarks/peers/trl_sft_lora.py
        SEQ_LEN STEPS        (needs TRL and PEFT: pip install trl==1.16.0 peft)
 writes trl_lora_<preset>_<SEQ_LEN>.json into $OUT or the current folder and prints RESULT {json}."""
-import json, os, resource, sys, time
+import json, os, resource, sys
 import torch
-from datasets import Dataset
 from peft import LoraConfig
-from tokenizers import Tokenizer, models
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
+from peer_common import StepTimer, random_rows, word_tokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from ulysses_train.model.build import PRESETS
 
@@ -29,18 +28,8 @@ torch.manual_seed(0)
 with torch.device("cuda"):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=os.environ.get("ATTN", "sdpa"))
 print("params", sum(p.numel() for p in model.parameters()) / 1e9, "B", flush=True)
-tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>")),
-                              pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-g = torch.Generator().manual_seed(0)
-ds = Dataset.from_dict({"input_ids": [torch.randint(3, cfg.vocab_size, (T,), generator=g).tolist() for _ in range(STEPS)]})
-
-
-class Timer(TrainerCallback):
-    def __init__(self): self.times = []
-    def on_step_begin(self, *a, **k): torch.cuda.synchronize(); self.t = time.perf_counter()
-    def on_step_end(self, *a, **k):
-        torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.t)
-        print(f"step {len(self.times)}: {self.times[-1]:.2f} s, peak {torch.cuda.max_memory_allocated()/2**30:.1f} GiB", flush=True)
+tok = word_tokenizer()
+ds = random_rows(cfg.vocab_size, T, STEPS)
 
 
 peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -48,7 +37,7 @@ args = SFTConfig(output_dir="/tmp/trl_lora_out", max_length=T, per_device_train_
                  gradient_checkpointing=True, gradient_checkpointing_kwargs={"offload": True, "use_reentrant": False},
                  use_liger_kernel=os.environ.get("LIGER") == "1",
                  logging_steps=1, report_to="none", learning_rate=1e-4, save_strategy="no", dataloader_num_workers=0)
-timer = Timer()
+timer = StepTimer()
 trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[timer],
                      peft_config=peft_config)
 trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
