@@ -149,6 +149,15 @@ def trained_spans(tokenizer, ids, mask) -> list[str]:
     return spans
 
 
+def chat_folder(folder) -> dict:
+    """`folder` with the tiny tokenizer saved in it and the ChatML template beside it: the paths the SFT and
+    preference tests pass as --tokenizer and --chat_template, and where their token store goes (--data_cache_dir)."""
+    tiny_tokenizer().save_pretrained(folder / "tokenizer")
+    (folder / "chatml.jinja").write_text(CHATML_QWEN)
+    return {"folder": folder, "tokenizer": str(folder / "tokenizer"), "template": str(folder / "chatml.jinja"),
+            "cache": str(folder / "cache")}
+
+
 def write_jsonl(path, rows) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

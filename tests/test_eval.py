@@ -6,19 +6,16 @@ import os
 import pytest
 
 from tests.distributed import run_distributed
-from tests.sft_fixtures import CHATML_QWEN, arithmetic_chats, tiny_tokenizer, write_jsonl
+from tests.sft_fixtures import arithmetic_chats, chat_folder, write_jsonl
 from tests.trainer_runs import metrics
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eval")
-    tiny_tokenizer().save_pretrained(folder / "tokenizer")
-    (folder / "chatml.jinja").write_text(CHATML_QWEN)
-    return {"train": write_jsonl(folder / "train.jsonl", arithmetic_chats(48)),
-            "eval": write_jsonl(folder / "eval.jsonl", arithmetic_chats(7)[::-1]),
-            "tokenizer": str(folder / "tokenizer"), "template": str(folder / "chatml.jinja"),
-            "cache": str(folder / "cache"), "out": str(folder)}
+    return chat_folder(folder) | {"train": write_jsonl(folder / "train.jsonl", arithmetic_chats(48)),
+                                  "eval": write_jsonl(folder / "eval.jsonl", arithmetic_chats(7)[::-1]),
+                                  "out": str(folder)}
 
 
 def _args(files):

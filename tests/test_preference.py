@@ -5,13 +5,12 @@ same batch and weights: our fused two-pass head (and --loss plain) on hidden sta
 DPOTrainer / CPOTrainer / ORPOTrainer code on the pairs as padded rows."""
 
 import copy
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, trained_spans, write_jsonl
+from tests.sft_fixtures import CHATML_QWEN, chat_folder, trained_spans, write_jsonl
 from ulysses_train.errors import ConfigError
 from ulysses_train.sp.sharding import IGNORE_INDEX, shift_labels
 
@@ -35,11 +34,7 @@ def _message_rows(implicit=False):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("preference")
-    tiny_tokenizer().save_pretrained(folder / "tokenizer")
-    (folder / "chatml.jinja").write_text(CHATML_QWEN)
-    return {"folder": folder, "tokenizer": str(folder / "tokenizer"), "template": str(folder / "chatml.jinja"),
-            "cache": str(folder / "cache")}
+    return chat_folder(tmp_path_factory.mktemp("preference"))
 
 
 def _store(files, rows, name, template=False):

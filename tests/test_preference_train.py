@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import run_distributed
-from tests.sft_fixtures import CHATML_QWEN, tiny_tokenizer, write_jsonl
+from tests.sft_fixtures import chat_folder, write_jsonl
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
          "thirteen"]
@@ -40,11 +40,8 @@ def _pairs(n=24, messages=False):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("preference_train")
-    tiny_tokenizer().save_pretrained(folder / "tokenizer")
-    (folder / "chatml.jinja").write_text(CHATML_QWEN)
-    return {"folder": folder, "tokenizer": str(folder / "tokenizer"), "template": str(folder / "chatml.jinja"),
-            "pairs": write_jsonl(folder / "pairs.jsonl", _pairs()),
-            "chats": write_jsonl(folder / "chats.jsonl", _pairs(messages=True))}
+    return chat_folder(folder) | {"pairs": write_jsonl(folder / "pairs.jsonl", _pairs()),
+                                  "chats": write_jsonl(folder / "chats.jsonl", _pairs(messages=True))}
 
 
 def _run(rank, world, runs, tmp):

@@ -9,17 +9,14 @@ import sys
 import pytest
 
 from tests.distributed import run_distributed
-from tests.sft_fixtures import CHATML_QWEN, NUMBER_WORDS, arithmetic_chats, tiny_tokenizer, write_jsonl
+from tests.sft_fixtures import NUMBER_WORDS, arithmetic_chats, chat_folder, write_jsonl
 from tests.trainer_runs import metrics, plain_ranks, run
 from tests.verify_runs import verify_settings
 
 @pytest.fixture(scope="module")
 def chat_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sft")
-    tiny_tokenizer().save_pretrained(folder / "tokenizer")
-    (folder / "chatml.jinja").write_text(CHATML_QWEN)
-    return {"chats": write_jsonl(folder / "chats.jsonl", arithmetic_chats()), "tokenizer": str(folder / "tokenizer"),
-            "template": str(folder / "chatml.jinja"), "cache": str(folder / "cache"), "folder": folder}
+    return chat_folder(folder) | {"chats": write_jsonl(folder / "chats.jsonl", arithmetic_chats())}
 
 
 def _args(files, dataset=None):
