@@ -136,6 +136,35 @@ def test_plan_of_a_command_is_the_trainers_run(capsys):
     assert capsys.readouterr().err == "error: --seq_len must be positive, got 0\n"
 
 
+def test_longest_of_a_command_fits_and_one_step_more_does_not(tmp_path, capsys):
+    """`plan --longest -- <train flags>` (it ignored --longest before): the longest --seq_len at which the command
+    fits as its levers resolve, for SFT and for DPO pairs (sides of half the row); with --fastest, at which some plan
+    of the search fits, never shorter; a --seq_len in the command is one error line."""
+    import json
+
+    from ulysses_train.tools.plan import main
+    from ulysses_train.tools.plan_command import Machine, command, evaluate
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a b", "chosen": " c", "rejected": " d"}) + "\n")
+    machine, constants = Machine(1, 139.7 * GiB, 125 * GiB), Constants()
+    sft = ["--model_config", "qwen3-4b", "--ds_config", "ds_configs/zero3_bf16_states.json", "--offload_activations"]
+    found = {}
+    for name, flags in (("sft", sft), ("dpo", sft + ["--method", "dpo", "--dataset", str(pairs)])):
+        for search in ([], ["--fastest"]):
+            assert main(["--gpus", "1", "--longest"] + search + ["--"] + flags) == 0
+            line = capsys.readouterr().out.splitlines()[0]
+            assert line.startswith("longest sequence that fits: "), line
+            found[name, bool(search)] = n = int(line.split(": ")[1].split(" tokens")[0].replace(",", ""))
+            assert n % 8192 == 0
+        n = found[name, False]
+        assert evaluate(command(flags + ["--seq_len", str(n)], machine), machine, constants).fits
+        assert not evaluate(command(flags + ["--seq_len", str(n + 8192)], machine), machine, constants).fits
+        assert found[name, True] >= n
+    assert main(["--gpus", "1", "--longest", "--"] + sft + ["--seq_len", "65536"]) == 2
+    assert capsys.readouterr().err == "error: --longest chooses --seq_len: leave it out of the command after --\n"
+
+
 def test_plan_of_a_command_with_a_ring(tmp_path, capsys):
     """A command with --ring_size is planned with its ring (28 heads at SP 8 = Ulysses 4 x ring 2): the ring's
     buffers are in the memory, and the report says the time model leaves its sends out."""

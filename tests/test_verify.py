@@ -43,7 +43,7 @@ def test_verify_passes_for_sp_zero_stage_and_loss(tmp_path):
 
 
 FAULTS = [("none", []), ("rotary rounded", ["buffers"]),
-          ("sp gradient scale", ["grad norm", "per-tensor grad, median", "per-tensor grad, max"])]
+          ("sp gradient scale", ["grad norm", "whole gradient", "per-tensor grad, median", "per-tensor grad, max"])]
 
 
 def _faulty(rank, world, tmp, faults):
@@ -82,6 +82,38 @@ def test_verify_fails_on_a_fault_and_names_it(faulty, fault, failed):
     assert result["failed"] == failed and result["passed"] == (not failed), result
     if fault == "rotary rounded":  # at this size the rounding hides in bf16 noise; the exact buffer check does not
         assert "model.rotary_emb.inv_freq (bfloat16, plain transformers: float32)" in result["buffer_mismatches"]
+
+
+def _rounded(ref: dict, whole: float, scale: float, seed: int) -> dict:
+    """`ref` scaled by 1 + `scale`, plus a rounding error orthogonal to it of relative size `whole`: its norm is
+    off by about scale + whole^2 / 2."""
+    import torch
+
+    flat = torch.cat([g.flatten() for g in ref.values()]).double()
+    noise = torch.randn(flat.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    noise -= noise.dot(flat) / flat.dot(flat) * flat
+    out = flat * (1 + scale) + noise * (whole * flat.norm() / noise.norm())
+    return {n: t.view_as(g) for (n, g), t in zip(ref.items(), out.split([g.numel() for g in ref.values()]))}
+
+
+def test_the_grad_norm_is_held_to_its_rounding_noise_and_a_wrong_scale_still_fails():
+    """The H200's LoRA --verify (4-layer Qwen3-0.6B shape, 4,096 tokens) failed on the grad norm alone: 2.6e-4 against
+    twice transformers' 8.9e-5, with the whole gradient off by 1.61e-2 (transformers' 1.67e-2) and the per-tensor
+    errors at transformers'; with the next seed transformers' own norm error was 4.2e-4 and ours 2.1e-4. Rebuilt
+    here with those sizes (the part along the gradient -3.9e-4 for ours, -2.3e-4 for transformers'), it passes;
+    the same gradient 2e-3 too large fails on the norm, which no other statistic sees."""
+    import torch
+
+    from ulysses_train.train.verify import LABELS, STATS, limits, relative_errors
+
+    gen = torch.Generator().manual_seed(0)
+    ref = {f"layer{i}.lora_{ab}": torch.randn(16, 64, generator=gen).double() for i in range(32) for ab in "AB"}
+    theirs = relative_errors(1.0, _rounded(ref, 1.67e-2, -2.3e-4, seed=1), 1.0, ref)
+    lim = limits(torch.bfloat16, theirs)
+    for scale, failed in ((-3.9e-4, []), (2e-3, ["grad norm"])):
+        ours = relative_errors(1.0, _rounded(ref, 1.61e-2, scale, seed=2), 1.0, ref)
+        assert [LABELS[k] for k in STATS if getattr(ours, k) > lim[k]] == failed, (scale, ours, theirs, lim)
+    assert 2 * theirs.grad_norm < 2.6e-4 < lim["grad_norm"] < 2e-3
 
 
 def test_verify_command_line(tmp_path):

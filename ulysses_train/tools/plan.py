@@ -5,6 +5,7 @@
     python -m ulysses_train.plan --model_config qwen3-4b --gpus 1 --longest    # how long can one GPU go?
     python -m ulysses_train.plan --model_config qwen3-8b --gpus 1 --longest --use_peft [--load_in_4bit]   # LoRA
     python -m ulysses_train.plan --gpus 8 [--fastest] -- <flags of launch/train.py>   # that run (tools/plan_command.py)
+    python -m ulysses_train.plan --gpus 1 --longest -- <flags without --seq_len>      # its longest --seq_len
     python -m ulysses_train.plan --calibrate FILE        # measure this machine's time constants (tools/calibrate.py)
 
 The memory of a run, per GPU and for the host, is levers/memory.py's estimate (the trainer's `--checkpoint_layers
@@ -209,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num_layers", type=int, default=None)
     p.add_argument("--seq_len", type=int, default=None)
     p.add_argument("--longest", action="store_true",
-                   help="instead of --seq_len: find the longest sequence (a multiple of 8192) that fits, and plan it")
+                   help="instead of --seq_len: find the longest sequence (a multiple of 8192) that fits, and plan it; "
+                        "with a command (-- <flags>), the longest --seq_len of that command")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--sp_size", type=int, default=None)
     p.add_argument("--ring_size", default="auto",

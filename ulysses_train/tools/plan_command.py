@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import ConfigError
 from ..levers.policy import GiB, DeviceInfo, Levers, resolve_levers
 from ..model.build import attention_heads, load_model_config
 from ..sp.support import check_support
@@ -211,11 +212,46 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
     return "\n".join(lines)
 
 
+def longest(train_argv: list[str], machine: Machine, constants: Constants, any_plan: bool,
+            step: int = 8192) -> int:
+    """The longest --seq_len (a multiple of `step`) at which the command fits as its flags resolve, or with
+    `any_plan` (--fastest) at which some plan of the search fits; 0 if none does even at `step`. Preference rows
+    take sides of half the row unless the command sets --max_length. Whether a run fits only gets harder with the
+    length: double, then bisect (as tools/plan.py: longest_fit)."""
+    def fits_at(n: int) -> bool:
+        c = command(train_argv + ["--seq_len", str(n * step)], machine)
+        return bool(fastest(c, machine, constants)) if any_plan else evaluate(c, machine, constants).fits
+
+    if not fits_at(1):
+        return 0
+    hi = 2
+    while hi * step < 2**31 and fits_at(hi):
+        hi *= 2
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+    return lo * step
+
+
 def main(plan_args, train_argv: list[str]) -> int:
-    """`plan [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit."""
+    """`plan [--longest] [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit;
+    with --longest, at the longest --seq_len that fits."""
+    from ..train.config import parse_args
+
     constants = Constants.load(plan_args.constants)
     machine = Machine(plan_args.gpus, plan_args.gpu_mem_gib * GiB, plan_args.host_mem_gib * GiB,
                       constants.gpus_per_node)
+    if plan_args.longest:
+        if "seq_len" in parse_args(train_argv)[1]:
+            raise ConfigError("--longest chooses --seq_len: leave it out of the command after --")
+        seq_len = longest(train_argv, machine, constants, plan_args.fastest)
+        if not seq_len:
+            print(f"nothing fits even at 8,192 tokens on {machine.gpus} GPU(s) of {plan_args.gpu_mem_gib} GiB")
+            return 1
+        print(f"longest sequence that fits: {seq_len:,} tokens" + (" (some plan of the search)" if plan_args.fastest
+                                                                    else " (the command's levers as they resolve)"))
+        train_argv = train_argv + ["--seq_len", str(seq_len)]
     c = command(train_argv, machine)
     print(report(evaluate(c, machine, constants), c, machine))
     if not plan_args.fastest:
