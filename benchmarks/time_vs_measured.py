@@ -4,7 +4,8 @@
 
 Each result of benchmarks/step_bench.py records its flags (`argv`), the levers its run resolved, its attention
 kernel (none recorded: SDPA, the runs from before FlashAttention-4), GPUs and SP size; the model predicts exactly
-that run. The median step after the first is compared, except for packed runs, whose steps differ with the documents
+that run. The median step after the first is compared (preference runs: a row of two sides, as the planner takes it,
+tools/preference_plan.py), except for packed runs, whose steps differ with the documents
 they hold: those are compared step by step, with each step's document lengths recomputed through the trainer's own
 data path from the data the run used (`benchmarks/sft_data.py` is seeded: the script makes it again in a temporary
 folder unless --sft_data names one)."""
@@ -25,6 +26,7 @@ sys.path.insert(0, ROOT)
 from ulysses_train.levers.policy import Levers  # noqa: E402
 from ulysses_train.model.build import load_model_config  # noqa: E402
 from ulysses_train.model.geometry import geometry  # noqa: E402
+from ulysses_train.tools.preference_plan import pair_documents, preference_step_time  # noqa: E402
 from ulysses_train.tools.time_model import Constants, Run, step_time  # noqa: E402
 
 # the data of the packed runs (docs/benchmarks.md, "SFT on packed conversations")
@@ -34,7 +36,7 @@ SFT_DATA_ARGS = ["--count", "12", "--min_chars", "30000", "--max_chars", "120000
 def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     """Per step (1-based, in order) the document lengths of its sample, padding last, as the trainer packs them:
     its config parser and data loader (data/load.py), without a model or a process group."""
-    from ulysses_train.data.load import _Loader
+    from ulysses_train.data.load import load_source
     from ulysses_train.data.sources import build_batch, global_sample_index, sample_order
     from ulysses_train.train.config import parse_args
 
@@ -43,11 +45,8 @@ def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     argv[i + 1] = os.path.join(data_dir, os.path.basename(argv[i + 1]))
     cfg, _ = parse_args(argv + ["--data_cache_dir", os.path.join(data_dir, "cache")])
     vocab = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers).vocab_size
-    loaded = _Loader(cfg.data_settings(), cfg.data.dataset, cfg.data.dataset_split, cfg.data.seq_len, vocab,
-                     lambda message: None, "dataset").load()
-    if isinstance(loaded, str):
-        raise RuntimeError(loaded)
-    _, source = loaded
+    _, source = load_source(cfg.data_settings(), cfg.data.dataset, cfg.data.dataset_split, cfg.data.seq_len, vocab,
+                            rank=0, log=lambda message: None)
     docs = []
     for step in range(steps):
         index = sample_order(global_sample_index(step, 0, 1, 0, 1, 1, 0), source.num_samples, cfg.data.seed)
@@ -70,6 +69,14 @@ def run_of(r: dict, docs=None) -> Run:
                kernel=r.get("attn_kernel") or "sdpa", docs=docs)
 
 
+def pair_row(r: dict) -> tuple:
+    """The documents of a preference run's row as the planner takes them: two sides of --max_length (default half
+    the row; benchmarks/dpo_data.py makes every side that long), then the padding."""
+    argv = r["argv"]
+    max_length = int(argv[argv.index("--max_length") + 1]) if "--max_length" in argv else r["seq_len"] // 2
+    return pair_documents(r["seq_len"], max_length, 1)
+
+
 def rows(constants: Constants, sft_data: str):
     """(name, run's result, step label, measured seconds, predicted result) for every measured step; `sft_data`:
     where benchmarks/sft_data.py wrote (or is to write) the packed runs' data."""
@@ -78,6 +85,9 @@ def rows(constants: Constants, sft_data: str):
         if "argv" not in r:  # not a step_bench result
             continue
         name = os.path.basename(path)[:-5]
+        if "--method" in r["argv"] and r["argv"][r["argv"].index("--method") + 1] != "sft":
+            yield name, r, "median", r["median_step_s"], preference_step_time(run_of(r, pair_row(r)), constants)
+            continue
         if "--packing" not in r["argv"]:
             yield name, r, "median", r["median_step_s"], step_time(run_of(r), constants)
             continue
