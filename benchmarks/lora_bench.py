@@ -39,7 +39,7 @@ def ours(args, seq_len: int, extra: list[str], label: str) -> dict:
     flags = ["--seq_len", str(seq_len), "--steps", str(args.steps), "--use_peft", "--lora_r", "16",
              "--lora_alpha", "32", "--lr", "1e-4", "--output_dir", os.path.join(args.out, f"run_{label}_{seq_len}"),
              "--overwrite_output_dir", "--save_final", "false"]
-    flags += ["--model", args.model] if args.model else ["--model_config", args.preset, "--rope_scaling", "yarn"]
+    flags += (["--model", args.model] if args.model else ["--model_config", args.preset]) + ["--rope_scaling", "yarn"]
     if args.layers:
         flags += ["--num_layers", str(args.layers)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
@@ -75,7 +75,8 @@ def trl(args, seq_len: int) -> dict:
 def longest(args) -> tuple[int, list[str], str]:
     """The planner's longest LoRA sequence on one GPU and its levers (as flags), and its report."""
     cmd = [sys.executable, "-m", "ulysses_train.plan", "--gpus", "1", "--longest", "--use_peft", "--json"]
-    cmd += ["--model", args.model] if args.model else ["--model_config", args.preset]
+    # a --model folder cut to --layers plans as the full-depth --preset it is a cut of
+    cmd += ["--model", args.model] if args.model and not args.layers else ["--model_config", args.preset]
     cmd += ["--load_in_4bit"] if args.load_in_4bit else []
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -91,7 +92,8 @@ def main() -> int:
     p.add_argument("--seq_lens", type=int, nargs="*", default=[65536, 131072])
     p.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
     p.add_argument("--preset", default="qwen3-8b")
-    p.add_argument("--model", default=None, help="a pretrained folder instead of --preset (needed for 4-bit)")
+    p.add_argument("--model", default=None, help="a pretrained folder instead of --preset (needed for 4-bit); with "
+                   "--layers, a folder of --preset's shape (it may hold only those layers), planned as the full preset")
     p.add_argument("--layers", type=int, default=None, help="reduced depth, for both tools")
     p.add_argument("--trl_attn", default="flash_attention_4", help="TRL's attention (sdpa or flash_attention_4)")
     p.add_argument("--trl_liger", action="store_true", help="TRL with use_liger_kernel")
