@@ -39,7 +39,9 @@ def ours(args, seq_len: int, extra: list[str], label: str) -> dict:
     flags = ["--seq_len", str(seq_len), "--steps", str(args.steps), "--use_peft", "--lora_r", "16",
              "--lora_alpha", "32", "--lr", "1e-4", "--output_dir", os.path.join(args.out, f"run_{label}_{seq_len}"),
              "--overwrite_output_dir", "--save_final", "false"]
-    flags += (["--model", args.model] if args.model else ["--model_config", args.preset]) + ["--rope_scaling", "yarn"]
+    # generated tokens either way; a bare --model folder has no tokenizer for the trainer to check them against
+    flags += (["--model", args.model, "--tokenizer", "bytes"] if args.model else ["--model_config", args.preset])
+    flags += ["--rope_scaling", "yarn"]
     if args.layers:
         flags += ["--num_layers", str(args.layers)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29533",
