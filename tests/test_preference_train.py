@@ -118,3 +118,87 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     assert resumed[0]["loss"] == pytest.approx(one["dpo"][0][2]["loss"], rel=1e-6)
     cached = glob.glob(os.path.join(tmp, "cache_one", "*", "reference", "*.json"))
     assert len(cached) == 1 and json.load(open(cached[0]))["pairs"] == 24
+
+
+def _reference_runs(rank, world, runs, tmp):
+    """Each (name, argv) in turn: (metrics or --verify's result, reference log-probs, the policy's weights digest
+    right after the trainer is built: after any --ref_model swap and its undoing), or the ConfigError's message."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.loop import train
+    from ulysses_train.train.reference import reference_parameters, weights_digest
+    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.verify import run_verify
+
+    out = {}
+    for name, argv in runs:
+        cfg, explicit = parse_args(argv + ["--output_dir", os.path.join(tmp, name)])
+        try:
+            trainer = Trainer(cfg, explicit)
+        except ConfigError as e:
+            out[name] = str(e)
+            continue
+        digest = weights_digest(reference_parameters(trainer.module.model))
+        result = run_verify(trainer) if cfg.check.verify else train(trainer)
+        if trainer.lock is not None:
+            trainer.lock.release()
+        out[name] = (result, trainer.reference, digest)
+    return out
+
+
+def test_dpo_against_a_separate_reference_model(files, tmp_path):
+    """--ref_model: policy A trained against the frozen model B. B's log-probs, computed with B's weights swapped into
+    the model, equal those of a run whose policy is B, under SP=2 as in one process; the policy is A again after
+    the pass (its weights' digest); the steps at SP=2 equal one process; --verify checks the cached log-probs
+    against plain transformers on B. A model of another shape, a reference-free method and LoRA are refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.build import load_model_config
+
+    folders = {}
+    for name, seed, layers in (("A", 0, None), ("B", 1, None), ("shallow", 2, 1)):
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(load_model_config(None, "tiny", layers)).save_pretrained(tmp_path / name)
+        folders[name] = str(tmp_path / name)
+    tmp = str(tmp_path)
+
+    def argv(cache, model, *extra):
+        return _argv(files, tmp, cache, "dpo", "pairs", "--model", folders[model], "--steps", "2", *extra)
+
+    sharded = [("ref_sp2", argv("sp2", "A", "--ref_model", folders["B"], "--sp_size", "2")),
+               ("verify_ref", argv("verify", "A", "--ref_model", folders["B"], "--sp_size", "2", "--verify",
+                                   "--verify_seq_len", "256"))]
+    two = run_distributed(_reference_runs, 2, sharded, tmp, use_deepspeed=True)[0]
+    single = [("ref_one", argv("ref_one", "A", "--ref_model", folders["B"])), ("own", argv("own", "A")),
+              ("policy_b", argv("policy_b", "B")),
+              ("shallow", argv("shallow", "A", "--ref_model", folders["shallow"]))]
+    one = run_distributed(_reference_runs, 1, single, tmp, use_deepspeed=True)[0]
+    (records, reference, digest), (own_records, own_reference, own_digest) = one["ref_one"], one["own"]
+    assert np.array_equal(reference, one["policy_b"][1])  # B's log-probs, as B's own run computes them
+    assert not np.allclose(reference, own_reference)
+    assert digest == own_digest and two["ref_sp2"][2] == own_digest  # the policy is A again after the pass
+    assert records[0]["preference"]["rewards/margins"] != 0.0 and own_records[0]["preference"]["rewards/margins"] == 0
+    sp_records, sp_reference, _ = two["ref_sp2"]
+    assert np.allclose(sp_reference, reference, rtol=1e-6)
+    for r, e in zip(sp_records, records, strict=True):
+        assert r["loss"] == pytest.approx(e["loss"], rel=1e-5) and r["grad_norm"] == pytest.approx(
+            e["grad_norm"], rel=1e-4), (r, e)
+    result = two["verify_ref"][0]
+    assert result["passed"] and result["reference_logps"]["compared"], result
+    assert result["reference_logps"]["ours"] < 1e-6 and result["reference_logps"]["weights"] == \
+        f"--ref_model {folders['B']}"
+    assert one["shallow"].startswith(f"--ref_model {folders['shallow']}: its parameters are not the model's")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--method", "simpo"], "--ref_model is DPO's reference: --method simpo has none"),
+    (["--use_peft"], "--ref_model with --use_peft: a LoRA run's reference is its base model"),
+])
+def test_ref_model_settings_refused(files, extra, message):
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.config import parse_args
+
+    argv = ["--dataset", files["pairs"], "--ref_model", "some/model", "--method", "dpo"] + extra
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(argv)[0].validate()

@@ -130,6 +130,11 @@ class PreferenceConfig:
                                    "max_length; a longer side is an error or cut by --truncation (left: the prompt's "
                                    "start, right: the completions' ends). Default: --seq_len / 2 (a row of --seq_len "
                                    "holds both sides of a pair).", gt=0)
+    ref_model: Optional[str] = _f(None, "DPO's reference, a separate frozen model (TRL's ref_model): a pretrained "
+                                  "folder or hub id with the parameters of --model's architecture. Its log-probs are "
+                                  "computed once per dataset, its weights swapped into the model for that forward "
+                                  "pass (no second model is held), and cached like the default's. Default: the "
+                                  "run's initial weights (with --use_peft, the base with the adapters off).")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .loop import forward_backward
 def check_preference_flags(cfg) -> None:
     """The preference flags against each other and the rest (TrainConfig.validate calls it, after their bounds)."""
     pref, data = cfg.pref, cfg.data
-    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None}
+    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None, "ref_model": None}
     if pref.method == "sft":
         given = [f"--{k}" for k, v in defaults.items() if getattr(pref, k) != v]
         if given:
@@ -41,6 +41,11 @@ def check_preference_flags(cfg) -> None:
         raise ConfigError(f"--loss_type {pref.loss_type} applies to --method dpo ({pref.method} has its own loss)")
     if pref.simpo_gamma != defaults["simpo_gamma"] and pref.method != "simpo":
         raise ConfigError("--simpo_gamma applies to --method simpo")
+    if pref.ref_model and pref.method != "dpo":
+        raise ConfigError(f"--ref_model is DPO's reference: --method {pref.method} has none")
+    if pref.ref_model and cfg.adapters.use_peft:
+        raise ConfigError("--ref_model with --use_peft: a LoRA run's reference is its base model with the adapters "
+                          "off; leave --ref_model unset, or train every weight without --use_peft")
     if data.data_format != "auto" or cfg.sft.loss_on not in ("auto", "completion") or data.text_column:
         raise ConfigError(f"--method {pref.method} reads preference pairs (prompt/chosen/rejected) and scores their "
                           f"completions: leave --data_format, --loss_on and --text_column unset")

@@ -7,7 +7,8 @@ fp32 truth), and the loss of TRL's formulas (levers/preference_loss.py: `pair_te
 checks them against TRL's trainers on the same batch) with the step's normalisers. For DPO the reference log-probs
 are the run's own cached ones (train/reference.py), so the check covers the policy's pass; where the weights checked
 are the reference's (a run that resumes nothing), those cached log-probs are compared too, with plain transformers'
-log-probs of the same sides on the same weights.
+log-probs of the same sides on the same weights, and with --ref_model, always, with plain transformers' on that
+model (built beside the policy's reference on rank 0's device).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ class PreferenceReference:
     """verify.reference_step's counterpart for pairs: called as (model_config, weights, batches, dtype, device) ->
     (loss, grads, buffers); `check()` then judges the cached reference log-probs."""
 
-    def __init__(self, spec: PreferenceSpec, weights_are_reference: bool):
-        self.spec, self.weights_are_reference = spec, weights_are_reference
+    def __init__(self, spec: PreferenceSpec, weights_are_reference: bool, ref_model: Optional[str] = None):
+        self.spec, self.weights_are_reference, self.ref_model = spec, weights_are_reference, ref_model
         self.errors: dict = {}  # dtype name -> relative error of our cached reference log-probs
 
     def __call__(self, model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
                  device: torch.device, adapters=None, base_model: Optional[str] = None) -> tuple[float, dict, dict]:
         model, names = reference_model(model_config, weights, dtype, device, adapters, base_model)
         logp_dtype = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+        frozen = self._ref_model(model_config, dtype, device) if self.ref_model else model
         pairs = [unpack_pairs(b) for b in batches]
         pairs_total = float(sum(len(p) for p in pairs))
         chosen_total = max(1.0, float(sum(int(b["scored"][:, 0].sum()) for b in batches)))
@@ -56,15 +58,34 @@ class PreferenceReference:
             total += loss.item()
             if batch.get("reference") is not None:
                 ours.append(batch["reference"])
-                theirs.append(sums.detach().cpu())
-        if ours and self.weights_are_reference:
+                theirs.append(sums.detach().cpu() if frozen is model else self._sums(frozen, batch_pairs, logp_dtype))
+        if ours and (self.weights_are_reference or frozen is not model):
             ours, theirs = torch.cat(ours), torch.cat(theirs)
             self.errors[str(dtype).removeprefix("torch.")] = float((ours - theirs).abs().max() / theirs.abs().max())
         grads, buffers = reference_grads(model, names), reference_buffers(model, names)
-        del model
+        del model, frozen
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return total, grads, buffers
+
+    def _ref_model(self, model_config, dtype: torch.dtype, device: torch.device):
+        """--ref_model as plain transformers, built as the policy's reference is (its forward's config: the run's)."""
+        from transformers import AutoModelForCausalLM
+
+        from ..model.build import without_zero3
+
+        with without_zero3():
+            weights = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
+                self.ref_model, dtype=dtype).named_parameters()}
+        return reference_model(model_config, weights, dtype, device)[0].eval()
+
+    def _sums(self, model, pairs: list, dtype: torch.dtype) -> torch.Tensor:
+        """(pairs, 2) float64 on the CPU: each side's log-prob under `model`, no gradient."""
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            return torch.stack([torch.stack([side_logp(model, p[f"prompt_{s}"].to(device), p[f"{s}_mask"].to(device),
+                                                       dtype) for s in ("chosen", "rejected")])
+                                for p in pairs]).to(torch.float64).cpu()
 
     def check(self, truth: torch.dtype, run_dtype: torch.dtype) -> tuple[dict, list[str]]:
         """The result's `reference_logps` entry and the failures: our cached reference log-probs against plain
@@ -78,7 +99,8 @@ class PreferenceReference:
         err = self.errors[name]
         theirs = self.errors.get(str(run_dtype).removeprefix("torch.")) if run_dtype != truth else None
         limit = FP32_LIMIT if theirs is None else 2 * max(theirs, BF16_FLOOR)
-        entry = {"compared": True, "ours": err, "transformers": theirs, "limit": limit}
+        entry = {"compared": True, "ours": err, "transformers": theirs, "limit": limit,
+                 "weights": f"--ref_model {self.ref_model}" if self.ref_model else "the same weights"}
         return {"reference_logps": entry}, ([] if err <= limit else ["reference log-probs"])
 
 
@@ -87,5 +109,6 @@ def format_reference_line(entry: dict) -> str:
         return "  reference log-probs: not compared (the weights checked are not the reference's: a resumed step)"
     theirs = "" if entry["transformers"] is None else f", transformers' own {entry['transformers']:.2e}"
     verdict = "ok" if entry["ours"] <= entry["limit"] else "FAIL"
-    return (f"  reference log-probs (cached, computed under SP) against plain transformers on the same weights: "
+    return (f"  reference log-probs (cached, computed under SP) against plain transformers on "
+            f"{entry.get('weights', 'the same weights')}: "
             f"{entry['ours']:.2e}{theirs}, limit {entry['limit']:.2e}  {verdict}")

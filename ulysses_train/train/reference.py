@@ -14,6 +14,10 @@ like change the forward) and --max_length / --truncation (they change the pairs)
 keys the data, tokenizer and template. A second run on the same data and weights (another SP size, --packing or
 not, a resume) reads the file; any other weights compute their own.
 
+A separate reference model (`--ref_model`, full fine-tuning only): its weights are swapped into the model for the
+reference pass (`reference_weights`) and the policy's put back after it, bit for bit: no second model is held on the
+GPUs, and the key is that model's digest like any other.
+
 Adapters (LoRA): the reference is the base model with the adapters off. `reference_context(model)` is the one
 place that says how the reference forward runs; with PEFT's `disable_adapter()` on the model it switches the
 adapters off, so the same pass (and an on-the-fly reference at any step) computes the base model's log-probs,
@@ -100,6 +104,11 @@ def _read(path: str, pairs: int):
 
 def reference_logps(run) -> np.ndarray:
     """(pairs, 2) float64: every pair's reference log-probs, from the cache or computed now (collective)."""
+    with reference_weights(run):
+        return _cached_or_computed(run)
+
+
+def _cached_or_computed(run) -> np.ndarray:
     samples = run.source.samples
     key, settings = reference_key(run)
     folder = os.path.join(samples.store.folder, "reference")
@@ -154,3 +163,72 @@ def reference_pass(run) -> np.ndarray:
         run.engine.train()
     dist.all_reduce(values)
     return values.cpu().numpy()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a parameter: its ZeRO-3 partition, or the whole tensor."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+
+
+@contextlib.contextmanager
+def reference_weights(run):
+    """The weights the reference pass runs on: the model's own, or --ref_model's swapped in for the pass. Each rank
+    keeps its own share of the policy's weights on the host meanwhile and copies it back afterwards, bit for bit."""
+    path = run.cfg.pref.ref_model
+    if not path:
+        yield
+        return
+    params = list(run.module.model.named_parameters())
+    kept = [_local(p).detach().to("cpu", copy=True) for _, p in params]
+    try:
+        _load_reference(run, path, params)
+        run.log(f"reference: --ref_model {path} in the model for the reference pass ({len(params)} tensors)")
+        yield
+    finally:
+        with torch.no_grad():
+            for (_, param), share in zip(params, kept):
+                _local(param).copy_(share)
+
+
+def _load_reference(run, path: str, params: list) -> None:
+    """--ref_model's weights into `params` (collective): rank 0 loads the model on its host in the run's dtype and
+    each parameter goes out from there, through ZeRO-3's gather or a broadcast. Its parameters must be the policy's,
+    name for name and shape for shape; anything else is a ConfigError on every rank."""
+    from deepspeed import zero
+    from transformers import AutoModelForCausalLM
+
+    from ..errors import ConfigError
+    from ..model.build import without_zero3
+
+    theirs, problem = {}, [None]
+    if run.rank == 0:
+        try:
+            with without_zero3():
+                theirs = dict(AutoModelForCausalLM.from_pretrained(path, dtype=run.dtype).named_parameters())
+            problem[0] = _mismatch(params, theirs)
+        except (OSError, ValueError) as e:
+            problem[0] = f"cannot load it: {e}"
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ConfigError(f"--ref_model {path}: {problem[0]}")
+    with torch.no_grad():
+        for name, param in params:
+            if hasattr(param, "ds_id"):
+                with zero.GatheredParameters([param], modifier_rank=0):
+                    if run.rank == 0:
+                        param.data.copy_(theirs[name])
+            else:
+                if run.rank == 0:
+                    param.data.copy_(theirs[name])
+                dist.broadcast(param.data, src=0)
+
+
+def _mismatch(params: list, theirs: dict) -> str | None:
+    """What keeps --ref_model's parameters from standing in for the policy's, or None."""
+    ours = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params}
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or extra:
+        return (f"its parameters are not the model's (missing: {', '.join(missing[:3]) or 'none'}; not in the model: "
+                f"{', '.join(extra[:3]) or 'none'}): give a model of --model's architecture")
+    shapes = [f"{n} {tuple(theirs[n].shape)} against {ours[n]}" for n in ours if tuple(theirs[n].shape) != ours[n]]
+    return f"shapes differ from the model's: {'; '.join(shapes[:3])}" if shapes else None

@@ -241,7 +241,8 @@ def _reference_for(trainer):
         return reference_step
     from .preference_verify import PreferenceReference
 
-    return PreferenceReference(trainer.spec, weights_are_reference=trainer.start_step == 0)
+    return PreferenceReference(trainer.spec, weights_are_reference=trainer.start_step == 0,
+                               ref_model=trainer.cfg.pref.ref_model)
 
 
 def run_verify(trainer) -> dict:
