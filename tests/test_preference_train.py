@@ -149,7 +149,8 @@ def _reference_runs(rank, world, runs, tmp):
 def test_dpo_against_a_separate_reference_model(files, tmp_path):
     """--ref_model: policy A trained against the frozen model B. B's log-probs, computed with B's weights swapped into
     the model, equal those of a run whose policy is B, under SP=2 as in one process; the policy is A again after
-    the pass (its weights' digest); the steps at SP=2 equal one process; --verify checks the cached log-probs
+    the pass (its weights' digest), ZeRO-3's partitions and ZeRO-2's replicated weights alike; the steps at SP=2
+    equal one process; --verify checks the cached log-probs
     against plain transformers on B. A model of another shape, a reference-free method and LoRA are refused."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -166,10 +167,14 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     def argv(cache, model, *extra):
         return _argv(files, tmp, cache, "dpo", "pairs", "--model", folders[model], "--steps", "2", *extra)
 
-    sharded = [("ref_sp2", argv("sp2", "A", "--ref_model", folders["B"], "--sp_size", "2")),
+    zero2 = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ds_configs", "zero2.json")
+    # ZeRO-2 first: a ZeRO-3 trainer's HfDeepSpeedConfig outlives it in this process until its teardown
+    sharded = [("ref_dp2_zero2", argv("dp2", "A", "--ref_model", folders["B"], "--ds_config", zero2)),
+               ("ref_sp2", argv("sp2", "A", "--ref_model", folders["B"], "--sp_size", "2")),
                ("verify_ref", argv("verify", "A", "--ref_model", folders["B"], "--sp_size", "2", "--verify",
                                    "--verify_seq_len", "256"))]
-    two = run_distributed(_reference_runs, 2, sharded, tmp, use_deepspeed=True)[0]
+    every_rank = run_distributed(_reference_runs, 2, sharded, tmp, use_deepspeed=True)
+    two = every_rank[0]
     single = [("ref_one", argv("ref_one", "A", "--ref_model", folders["B"])), ("own", argv("own", "A")),
               ("policy_b", argv("policy_b", "B")),
               ("shallow", argv("shallow", "A", "--ref_model", folders["shallow"]))]
@@ -177,7 +182,10 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     (records, reference, digest), (own_records, own_reference, own_digest) = one["ref_one"], one["own"]
     assert np.array_equal(reference, one["policy_b"][1])  # B's log-probs, as B's own run computes them
     assert not np.allclose(reference, own_reference)
-    assert digest == own_digest and two["ref_sp2"][2] == own_digest  # the policy is A again after the pass
+    # the policy is A again after the pass: ZeRO-3's partitions, and ZeRO-2's replicated weights (DP 2)
+    assert digest == own_digest
+    assert all(ranks[name][2] == own_digest for ranks in every_rank for name in ("ref_sp2", "ref_dp2_zero2"))
+    assert np.allclose(two["ref_dp2_zero2"][1], reference, rtol=1e-6)
     assert records[0]["preference"]["rewards/margins"] != 0.0 and own_records[0]["preference"]["rewards/margins"] == 0
     sp_records, sp_reference, _ = two["ref_sp2"]
     assert np.allclose(sp_reference, reference, rtol=1e-6)

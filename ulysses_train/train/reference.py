@@ -172,14 +172,17 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def reference_weights(run):
-    """The weights the reference pass runs on: the model's own, or --ref_model's swapped in for the pass. Each rank
-    keeps its own share of the policy's weights on the host meanwhile and copies it back afterwards, bit for bit."""
+    """The weights the reference pass runs on: the model's own, or --ref_model's swapped in for the pass. The
+    policy's weights wait on the host meanwhile (each rank its ZeRO-3 partition; replicated ones on rank 0) and go
+    back afterwards, bit for bit."""
     path = run.cfg.pref.ref_model
     if not path:
         yield
         return
     params = list(run.module.model.named_parameters())
-    kept = [_local(p).detach().to("cpu", copy=True) for _, p in params]
+    # a ZeRO-3 partition on its own rank; a replicated parameter (ZeRO-0/1/2) once, on rank 0, broadcast back
+    kept = [_local(p).detach().to("cpu", copy=True) if hasattr(p, "ds_id") or run.rank == 0 else None
+            for _, p in params]
     try:
         _load_reference(run, path, params)
         run.log(f"reference: --ref_model {path} in the model for the reference pass ({len(params)} tensors)")
@@ -187,7 +190,10 @@ def reference_weights(run):
     finally:
         with torch.no_grad():
             for (_, param), share in zip(params, kept):
-                _local(param).copy_(share)
+                if share is not None:
+                    _local(param).copy_(share)
+                if not hasattr(param, "ds_id"):
+                    dist.broadcast(param.data, src=0)
 
 
 def _load_reference(run, path: str, params: list) -> None:
