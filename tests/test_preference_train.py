@@ -160,7 +160,12 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     folders = {}
     for name, seed, layers in (("A", 0, None), ("B", 1, None), ("shallow", 2, 1)):
         torch.manual_seed(seed)
-        AutoModelForCausalLM.from_config(load_model_config(None, "tiny", layers)).save_pretrained(tmp_path / name)
+        model = AutoModelForCausalLM.from_config(load_model_config(None, "tiny", layers))
+        with torch.no_grad():  # norms other than 1, and A's and B's apart: ZeRO-3 keeps such small ones gathered
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.uniform_(0.5, 1.5)
+        model.save_pretrained(tmp_path / name)
         folders[name] = str(tmp_path / name)
     tmp = str(tmp_path)
 
@@ -177,7 +182,8 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     two = every_rank[0]
     single = [("ref_one", argv("ref_one", "A", "--ref_model", folders["B"])), ("own", argv("own", "A")),
               ("policy_b", argv("policy_b", "B")),
-              ("shallow", argv("shallow", "A", "--ref_model", folders["shallow"]))]
+              ("shallow", argv("shallow", "A", "--ref_model", folders["shallow"])),
+              ("missing", argv("missing", "A", "--ref_model", str(tmp_path / "no_such_model")))]
     one = run_distributed(_reference_runs, 1, single, tmp, use_deepspeed=True)[0]
     (records, reference, digest), (own_records, own_reference, own_digest) = one["ref_one"], one["own"]
     assert np.array_equal(reference, one["policy_b"][1])  # B's log-probs, as B's own run computes them
@@ -197,6 +203,7 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     assert result["reference_logps"]["ours"] < 1e-6 and result["reference_logps"]["weights"] == \
         f"--ref_model {folders['B']}"
     assert one["shallow"].startswith(f"--ref_model {folders['shallow']}: its parameters are not the model's")
+    assert one["missing"].startswith(f"--ref_model {tmp_path / 'no_such_model'}: cannot load it:"), one["missing"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -210,3 +217,15 @@ def test_ref_model_settings_refused(files, extra, message):
     argv = ["--dataset", files["pairs"], "--ref_model", "some/model", "--method", "dpo"] + extra
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(argv)[0].validate()
+
+
+@pytest.mark.parametrize("zero", [{"zero_hpz_partition_size": 2}, {"offload_param": {"device": "nvme"}}])
+def test_ref_model_refuses_partitionings_it_cannot_put_back(zero):
+    """ZeRO++'s secondary partitions and NVMe-swapped parameters hold copies of a weight that the swap would leave
+    on the reference's values: refused before any weight moves."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.reference import _check_restorable
+
+    _check_restorable({"stage": 3, "offload_param": {"device": "cpu"}}, "B")
+    with pytest.raises(ConfigError, match="leave those out of --ds_config"):
+        _check_restorable({"stage": 3, **zero}, "B")

@@ -161,6 +161,12 @@ def test_longest_of_a_command_fits_and_one_step_more_does_not(tmp_path, capsys):
         assert evaluate(command(flags + ["--seq_len", str(n)], machine), machine, constants).fits
         assert not evaluate(command(flags + ["--seq_len", str(n + 8192)], machine), machine, constants).fits
         assert found[name, True] >= n
+    # a --max_length of 32k: the search starts at the first row that holds both sides (it started below before)
+    dpo = sft + ["--method", "dpo", "--dataset", str(pairs), "--max_length", "32768"]
+    assert main(["--gpus", "1", "--longest", "--"] + dpo) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    n = int(line.split(": ")[1].split(" tokens")[0].replace(",", ""))
+    assert n >= 2 * 32768 and n % 8192 == 0, line
     assert main(["--gpus", "1", "--longest", "--"] + sft + ["--seq_len", "65536"]) == 2
     assert capsys.readouterr().err == "error: --longest chooses --seq_len: leave it out of the command after --\n"
 

@@ -215,19 +215,23 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
 def longest(train_argv: list[str], machine: Machine, constants: Constants, any_plan: bool,
             step: int = 8192) -> int:
     """The longest --seq_len (a multiple of `step`) at which the command fits as its flags resolve, or with
-    `any_plan` (--fastest) at which some plan of the search fits; 0 if none does even at `step`. Preference rows
+    `any_plan` (--fastest) at which some plan of the search fits; 0 if none does even at the shortest. Preference rows
     take sides of half the row unless the command sets --max_length. Whether a run fits only gets harder with the
-    length: double, then bisect (as tools/plan.py: longest_fit)."""
+    length: double, then bisect (as tools/plan.py: longest_fit), from the shortest row that holds a pair's two sides
+    of --max_length where the command sets it."""
+    from ..train.config import parse_args
+
     def fits_at(n: int) -> bool:
         c = command(train_argv + ["--seq_len", str(n * step)], machine)
         return bool(fastest(c, machine, constants)) if any_plan else evaluate(c, machine, constants).fits
 
-    if not fits_at(1):
+    max_length = parse_args(train_argv)[0].pref.max_length
+    first = -(-2 * max_length // step) if max_length else 1  # a row holds both sides of --max_length
+    if not fits_at(first):
         return 0
-    hi = 2
+    lo, hi = first, 2 * first
     while hi * step < 2**31 and fits_at(hi):
-        hi *= 2
-    lo = hi // 2
+        lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
@@ -247,7 +251,8 @@ def main(plan_args, train_argv: list[str]) -> int:
             raise ConfigError("--longest chooses --seq_len: leave it out of the command after --")
         seq_len = longest(train_argv, machine, constants, plan_args.fastest)
         if not seq_len:
-            print(f"nothing fits even at 8,192 tokens on {machine.gpus} GPU(s) of {plan_args.gpu_mem_gib} GiB")
+            print(f"nothing fits on {machine.gpus} GPU(s) of {plan_args.gpu_mem_gib} GiB even at the shortest --seq_len "
+                  f"(8,192 tokens, or a row of two sides of --max_length)")
             return 1
         print(f"longest sequence that fits: {seq_len:,} tokens" + (" (some plan of the search)" if plan_args.fastest
                                                                     else " (the command's levers as they resolve)"))

@@ -179,21 +179,44 @@ def reference_weights(run):
     if not path:
         yield
         return
+    _check_restorable(run.ds.get("zero_optimization", {}), path)
     params = list(run.module.model.named_parameters())
-    # a ZeRO-3 partition on its own rank; a replicated parameter (ZeRO-0/1/2) once, on rank 0, broadcast back
     kept = [_local(p).detach().to("cpu", copy=True) if hasattr(p, "ds_id") or run.rank == 0 else None
             for _, p in params]
     try:
         _load_reference(run, path, params)
         run.log(f"reference: --ref_model {path} in the model for the reference pass ({len(params)} tensors)")
         yield
-    finally:
-        with torch.no_grad():
-            for (_, param), share in zip(params, kept):
-                if share is not None:
-                    _local(param).copy_(share)
-                if not hasattr(param, "ds_id"):
-                    dist.broadcast(param.data, src=0)
+    except BaseException:
+        _put_back(params, kept)  # this rank may be alone in failing: no collective here
+        raise
+    if hasattr(run.engine, "empty_partition_cache"):
+        # ZeRO-3 keeps its small ("persistent") parameters gathered after a traced forward: the reference's values
+        # would stay in their full tensors; released, the next forward gathers them from the partitions put back
+        run.engine.empty_partition_cache()
+    _put_back(params, kept)
+    with torch.no_grad():
+        for _, param in params:
+            if not hasattr(param, "ds_id"):
+                dist.broadcast(param.data, src=0)
+
+
+def _put_back(params: list, kept: list) -> None:
+    with torch.no_grad():
+        for (_, param), share in zip(params, kept):
+            if share is not None:
+                _local(param).copy_(share)
+
+
+def _check_restorable(zero: dict, path: str) -> None:
+    """The partitionings whose every copy of a weight reference_weights puts back: not ZeRO++'s secondary
+    partitions (hpZ), whose copies the forward gathers from, nor parameters swapped out to NVMe."""
+    from ..errors import ConfigError
+
+    if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("offload_param") or {}).get("device") == "nvme":
+        raise ConfigError(f"--ref_model {path} swaps its weights into the model for the reference pass, which "
+                          f"zero_hpz_partition_size > 1 and offload_param to nvme in the DeepSpeed config do not allow: "
+                          f"leave those out of --ds_config")
 
 
 def _load_reference(run, path: str, params: list) -> None:
@@ -212,8 +235,8 @@ def _load_reference(run, path: str, params: list) -> None:
             with without_zero3():
                 theirs = dict(AutoModelForCausalLM.from_pretrained(path, dtype=run.dtype).named_parameters())
             problem[0] = _mismatch(params, theirs)
-        except (OSError, ValueError) as e:
-            problem[0] = f"cannot load it: {e}"
+        except Exception as e:  # any failure to load, said on every rank, not a hang
+            problem[0] = f"cannot load it: {type(e).__name__}: {e}"
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ConfigError(f"--ref_model {path}: {problem[0]}")
