@@ -77,10 +77,10 @@ def grad_norm(grads: dict) -> float:
 def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> Errors:
     per_tensor, squared_diff = {}, 0.0
     for name, ref in ref_grads.items():
-        norm = ref.norm().item()
+        norm, diff = ref.norm().item(), (grads[name].double() - ref.double()).norm().item()
+        squared_diff += diff**2  # a tensor without a reference gradient counts here: a spurious one shows
         if norm > 0:
-            diff = (grads[name].double() - ref.double()).norm().item()
-            per_tensor[name], squared_diff = diff / norm, squared_diff + diff**2
+            per_tensor[name] = diff / norm
     norm, ref_norm = grad_norm(grads), grad_norm(ref_grads)
     worst = max(per_tensor, key=per_tensor.get)
     return Errors(abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / ref_norm,
