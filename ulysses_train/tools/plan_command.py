@@ -251,8 +251,8 @@ def main(plan_args, train_argv: list[str]) -> int:
             raise ConfigError("--longest chooses --seq_len: leave it out of the command after --")
         seq_len = longest(train_argv, machine, constants, plan_args.fastest)
         if not seq_len:
-            print(f"nothing fits on {machine.gpus} GPU(s) of {plan_args.gpu_mem_gib} GiB even at the shortest --seq_len "
-                  f"(8,192 tokens, or a row of two sides of --max_length)")
+            print(f"nothing fits on {machine.gpus} GPU(s) of {plan_args.gpu_mem_gib} GiB even at the shortest "
+                  f"--seq_len (8,192 tokens, or a row of two sides of --max_length)")
             return 1
         print(f"longest sequence that fits: {seq_len:,} tokens" + (" (some plan of the search)" if plan_args.fastest
                                                                     else " (the command's levers as they resolve)"))

@@ -215,8 +215,8 @@ def _check_restorable(zero: dict, path: str) -> None:
 
     if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("offload_param") or {}).get("device") == "nvme":
         raise ConfigError(f"--ref_model {path} swaps its weights into the model for the reference pass, which "
-                          f"zero_hpz_partition_size > 1 and offload_param to nvme in the DeepSpeed config do not allow: "
-                          f"leave those out of --ds_config")
+                          f"zero_hpz_partition_size > 1 and offload_param to nvme in the DeepSpeed config do not "
+                          f"allow: leave those out of --ds_config")
 
 
 def _load_reference(run, path: str, params: list) -> None:

@@ -63,7 +63,7 @@ class Errors:
 
     loss: float
     grad_norm: float
-    grad_whole: float  # |g - g_ref| / |g_ref| over every compared parameter at once
+    grad_whole: float  # |g - g_ref| / |g_ref| over every parameter at once, those without a reference gradient too
     grad_median: float
     grad_max: float
     worst_tensor: str
