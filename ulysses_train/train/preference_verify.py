@@ -30,6 +30,13 @@ def side_logp(model, ids: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) 
     return (logps * mask[1:].to(dtype)).sum()
 
 
+def pair_logps(model, pairs: list, dtype: torch.dtype) -> torch.Tensor:
+    """(pairs, 2) float64: each pair's chosen and rejected log-probs under `model` (unpack_pairs' pairs)."""
+    device = next(model.parameters()).device
+    return torch.stack([torch.stack([side_logp(model, p[f"prompt_{s}"].to(device), p[f"{s}_mask"].to(device), dtype)
+                                     for s in ("chosen", "rejected")]) for p in pairs]).to(torch.float64)
+
+
 class PreferenceReference:
     """verify.reference_step's counterpart for pairs: called as (model_config, weights, batches, dtype, device) ->
     (loss, grads, buffers); `check()` then judges the cached reference log-probs."""
@@ -48,9 +55,7 @@ class PreferenceReference:
         chosen_total = max(1.0, float(sum(int(b["scored"][:, 0].sum()) for b in batches)))
         total, ours, theirs = 0.0, [], []
         for batch, batch_pairs in zip(batches, pairs):
-            sums = torch.stack([torch.stack([side_logp(model, p[f"prompt_{s}"].to(device), p[f"{s}_mask"].to(device),
-                                                       logp_dtype) for s in ("chosen", "rejected")])
-                                for p in batch_pairs]).to(torch.float64)
+            sums = pair_logps(model, batch_pairs, logp_dtype)
             objective = PreferenceObjective(self.spec, torch.empty(0, dtype=torch.long), batch["scored"],
                                             batch.get("reference"), pairs_total, chosen_total)
             loss = objective.loss(sums)
@@ -58,7 +63,11 @@ class PreferenceReference:
             total += loss.item()
             if batch.get("reference") is not None:
                 ours.append(batch["reference"])
-                theirs.append(sums.detach().cpu() if frozen is model else self._sums(frozen, batch_pairs, logp_dtype))
+                if frozen is not model:
+                    with torch.no_grad():
+                        theirs.append(pair_logps(frozen, batch_pairs, logp_dtype).cpu())
+                else:
+                    theirs.append(sums.detach().cpu())
         if ours and (self.weights_are_reference or frozen is not model):
             ours, theirs = torch.cat(ours), torch.cat(theirs)
             self.errors[str(dtype).removeprefix("torch.")] = float((ours - theirs).abs().max() / theirs.abs().max())
@@ -70,22 +79,9 @@ class PreferenceReference:
 
     def _ref_model(self, model_config, dtype: torch.dtype, device: torch.device):
         """--ref_model as plain transformers, built as the policy's reference is (its forward's config: the run's)."""
-        from transformers import AutoModelForCausalLM
+        from .reference import pretrained_weights
 
-        from ..model.build import without_zero3
-
-        with without_zero3():
-            weights = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
-                self.ref_model, dtype=dtype).named_parameters()}
-        return reference_model(model_config, weights, dtype, device)[0].eval()
-
-    def _sums(self, model, pairs: list, dtype: torch.dtype) -> torch.Tensor:
-        """(pairs, 2) float64 on the CPU: each side's log-prob under `model`, no gradient."""
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            return torch.stack([torch.stack([side_logp(model, p[f"prompt_{s}"].to(device), p[f"{s}_mask"].to(device),
-                                                       dtype) for s in ("chosen", "rejected")])
-                                for p in pairs]).to(torch.float64).cpu()
+        return reference_model(model_config, pretrained_weights(self.ref_model, dtype), dtype, device)[0].eval()
 
     def check(self, truth: torch.dtype, run_dtype: torch.dtype) -> tuple[dict, list[str]]:
         """The result's `reference_logps` entry and the failures: our cached reference log-probs against plain

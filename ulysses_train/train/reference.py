@@ -224,16 +224,13 @@ def _load_reference(run, path: str, params: list) -> None:
     each parameter goes out from there, through ZeRO-3's gather or a broadcast. Its parameters must be the policy's,
     name for name and shape for shape; anything else is a ConfigError on every rank."""
     from deepspeed import zero
-    from transformers import AutoModelForCausalLM
 
     from ..errors import ConfigError
-    from ..model.build import without_zero3
 
     theirs, problem = {}, [None]
     if run.rank == 0:
         try:
-            with without_zero3():
-                theirs = dict(AutoModelForCausalLM.from_pretrained(path, dtype=run.dtype).named_parameters())
+            theirs = pretrained_weights(path, run.dtype)
             problem[0] = _mismatch(params, theirs)
         except Exception as e:  # any failure to load, said on every rank, not a hang
             problem[0] = f"cannot load it: {type(e).__name__}: {e}"
@@ -250,6 +247,17 @@ def _load_reference(run, path: str, params: list) -> None:
                 if run.rank == 0:
                     param.data.copy_(theirs[name])
                 dist.broadcast(param.data, src=0)
+
+
+def pretrained_weights(path: str, dtype: torch.dtype) -> dict:
+    """name -> parameter of the pretrained model at `path`, loaded on this host in `dtype` outside ZeRO-3's
+    zero.Init (tied weights once, as named_parameters gives them)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..model.build import without_zero3
+
+    with without_zero3():
+        return {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(path, dtype=dtype).named_parameters()}
 
 
 def _mismatch(params: list, theirs: dict) -> str | None:
