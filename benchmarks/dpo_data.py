@@ -19,6 +19,7 @@ import random
 
 VOCAB = 151936
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
+COMPLETION = 2048  # tokens of each completion, EOS included: the only tokens the preference head scores
 
 
 def save_tokenizer(folder: str) -> None:
@@ -41,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--side", type=int, default=32768, help="tokens of each side: prompt + completion + EOS")
-    parser.add_argument("--completion", type=int, default=2048, help="tokens of each completion, EOS included")
+    parser.add_argument("--completion", type=int, default=COMPLETION, help="tokens of each completion, EOS included")
     parser.add_argument("--count", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -23,6 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.dpo_data import COMPLETION as DPO_COMPLETION  # noqa: E402
 from ulysses_train.levers.policy import Levers  # noqa: E402
 from ulysses_train.model.build import load_model_config  # noqa: E402
 from ulysses_train.model.geometry import geometry  # noqa: E402
@@ -77,6 +78,14 @@ def pair_row(r: dict) -> tuple:
     return pair_documents(r["seq_len"], max_length, 1)
 
 
+def scored_tokens(r: dict):
+    """The completion tokens of a preference run's row, the only ones its head runs on: both sides' completions as
+    benchmarks/dpo_data.py makes them (its pairs_<side>.jsonl, --completion at its default, EOS included); None
+    (every token) for other data."""
+    dataset = os.path.basename(r["argv"][r["argv"].index("--dataset") + 1])
+    return 2 * DPO_COMPLETION if dataset.startswith("pairs_") else None
+
+
 def rows(constants: Constants, sft_data: str):
     """(name, run's result, step label, measured seconds, predicted result) for every measured step; `sft_data`:
     where benchmarks/sft_data.py wrote (or is to write) the packed runs' data."""
@@ -86,7 +95,8 @@ def rows(constants: Constants, sft_data: str):
             continue
         name = os.path.basename(path)[:-5]
         if "--method" in r["argv"] and r["argv"][r["argv"].index("--method") + 1] != "sft":
-            yield name, r, "median", r["median_step_s"], preference_step_time(run_of(r, pair_row(r)), constants)
+            yield name, r, "median", r["median_step_s"], preference_step_time(run_of(r, pair_row(r)), constants,
+                                                                              scored_tokens(r))
             continue
         if "--packing" not in r["argv"]:
             yield name, r, "median", r["median_step_s"], step_time(run_of(r), constants)

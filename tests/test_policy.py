@@ -122,3 +122,33 @@ def test_checkpoint_layers_number_auto_and_the_planner_agree():
         fewer = dataclasses.replace(planned, checkpoint_layers=planned.checkpointed(36) - 1)
         assert plan.fits(plan.estimate(g, seq_len, gpus, sp, planned), gpu, host)
         assert not plan.fits(plan.estimate(g, seq_len, gpus, sp, fewer), gpu, host)
+
+
+def test_attn_recompute_auto_keeps_the_outputs_where_the_whole_plan_leaves_room():
+    """Qwen3-8B LoRA at 131k on one H200: the kept outputs (36.6 GiB) are over 15% of the device, but the planner's
+    estimate of the whole run with them is 105 GiB of 140, under 80%: auto keeps them (the recompute skips the
+    attention kernel). Full fine-tuning of the same model, or LoRA at 160k, leaves no such room; with
+    `--checkpoint_layers auto`, the layer search spends the memory instead; without an estimate (`fits` None) the
+    15% rule alone decides, as before."""
+    from ulysses_train.levers.memory import estimate, fits
+
+    argv = ["--model_config", "qwen3-8b", "--seq_len", "131072", "--rope_scaling", "yarn"]
+    lora = _trainer_side(argv + ["--use_peft"], 1, 1)
+    assert lora.keep_attention and "over 21.0 GiB" in lora.why["keep_attention"]
+    assert "under 80% of the device: kept" in lora.why["keep_attention"]
+    cfg, _ = parse_args(argv + ["--use_peft"])
+    from ulysses_train.train.trainer import run_geometry
+
+    g = run_geometry(cfg, load_model_config(None, "qwen3-8b"))
+    gpu, host = GPU_GIB * 2**30, HOST_GIB * 2**30
+    planned = estimate(g, 131072, 1, 1, lora)
+    assert fits(planned, gpu, host, 0.8) and not fits(planned, gpu, host, 0.7)
+    assert not _trainer_side(argv, 1, 1).keep_attention  # full fine-tuning: no room
+    longer = _trainer_side(["--model_config", "qwen3-8b", "--seq_len", "163840", "--use_peft"], 1, 1)
+    assert not longer.keep_attention and "over 80%" in longer.why["keep_attention"]
+    searched = _trainer_side(argv + ["--use_peft", "--checkpoint_layers", "auto"], 1, 1)
+    assert not searched.keep_attention and "80%" not in searched.why["keep_attention"]
+    assert 0 < searched.checkpointed(36) < 36
+    no_estimate = resolve_levers(LeverRequest(), g, 131072, 2, DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=1))
+    assert not no_estimate.keep_attention and "80%" not in no_estimate.why["keep_attention"]
+    assert plan.levers_for(LeverRequest(), g, 131072, 1, 1, gpu, host) == lora  # the planner decides the same

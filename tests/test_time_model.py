@@ -271,8 +271,9 @@ def test_deltanet_layers_are_linear_in_the_sequence():
 def test_the_time_model_against_every_measured_step(tmp_path):
     """benchmarks/time_vs_measured.py over docs/results (the table of docs/time.md): every SFT step of the fitted
     families within 3% of its H200 measurement, the packed ones step by step from their regenerated data, and the
-    preference step within its documented upper bound (the head counted on every token: over, by under 10%). The
-    script's packed-data path had broken silently when the data loader changed; this runs it."""
+    preference steps too, their head counted on the completion tokens it runs on (counted on every token, the
+    2 x 352k pair at 2 layers came out 22% over). The script's packed-data path had broken silently when the data
+    loader changed; this runs it."""
     from benchmarks.time_vs_measured import FITTED, config_of, rows
 
     errors = {}
@@ -283,4 +284,4 @@ def test_the_time_model_against_every_measured_step(tmp_path):
     sft = {k: e for k, e in errors.items() if k not in preference}
     assert len(sft) >= 35 and any(label.startswith("step") for _, label in sft), sorted(sft)
     assert all(abs(e) < 0.03 for e in sft.values()), {k: e for k, e in sft.items() if abs(e) >= 0.03}
-    assert preference and all(0 < e < 0.10 for e in preference.values()), preference
+    assert len(preference) >= 3 and all(abs(e) < 0.03 for e in preference.values()), preference

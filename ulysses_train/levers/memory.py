@@ -226,15 +226,17 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
             "sent_per_sequence": communication(g, seq_len, sp, ring, levers, b)}
 
 
-def fits(est: dict, gpu_mem: float, host_mem: float) -> bool:
-    return est["gpu_total"] <= 0.95 * gpu_mem and est["host_total"] <= host_mem
+def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95) -> bool:
+    """Whether an estimate fits: within `share` of the GPU's memory (the rest for what the estimate misses) and
+    within the host's."""
+    return est["gpu_total"] <= share * gpu_mem and est["host_total"] <= host_mem
 
 
 def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
             micro: int = 1, act_bytes: int = 2):
-    """Whether given levers fit this run on this machine: what `--checkpoint_layers auto` asks (the trainer and the
-    planner pass it to the policy)."""
-    def fits_levers(levers: Levers) -> bool:
+    """Whether given levers fit this run on this machine, within a share of the GPU: what `--checkpoint_layers auto`
+    and `--attn_recompute auto` ask (the trainer and the planner pass it to the policy)."""
+    def fits_levers(levers: Levers, share: float = 0.95) -> bool:
         est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes)
-        return fits(est, gpu_mem, host_mem)
+        return fits(est, gpu_mem, host_mem, share)
     return fits_levers

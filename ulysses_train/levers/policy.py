@@ -26,6 +26,10 @@ AUTO_ON_OFF = ("auto", "on", "off")  # --tiled_mlp, --lean_norm, --fused_kernels
 TILE_ABOVE_BYTES = 2 * GiB  # --tiled_mlp auto tiles when one seq x intermediate tensor of a layer would exceed this
 KEEP_DEVICE_FRACTION = 0.15  # --attn_recompute auto keeps the outputs while they take under this much of the device
 KEEP_HOST_FRACTION = 0.5  # ... or, offloaded with the checkpoints, under this much of the host (all local ranks)
+# ... or while the planner's estimate of the whole run with them stays under this much of the device: where little
+# else is on the GPU (LoRA's frozen bf16 base, small models) the outputs can take more than KEEP_DEVICE_FRACTION and
+# still leave a fifth of the device for what the estimate misses
+KEEP_PLAN_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -231,8 +235,9 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                    ds_choices: Optional[dict] = None, fits: Optional[Callable[[Levers], bool]] = None) -> Levers:
     """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
     micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
-    config fixes (tools/plan.py: ds_config_choices), `fits` whether given levers fit the device (the planner's
-    estimate, for `--checkpoint_layers auto`)."""
+    config fixes (tools/plan.py: ds_config_choices), `fits(levers, share=0.95)` whether given levers fit the
+    device within that share of its memory (the planner's estimate, levers/memory.py: fits_on), for
+    `--checkpoint_layers auto` and `--attn_recompute auto`."""
     ds_choices = ds_choices or {}
     why = {}
     offload = request.offload_activations and device.type == "cuda"
@@ -252,4 +257,22 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                     offload_optimizer=ds_choices.get("offload_optimizer", False),
                     gqa_native=not (act_bytes == 4 and device.type == "cuda"),
                     why={k: v for k, v in why.items() if v})
+    levers = _keep_attention_where_the_plan_fits(levers, request, device, fits)
     return _checkpoint_layers(levers, request, g["layers"], device, fits)
+
+
+def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
+                                        fits: Optional[Callable[..., bool]]) -> Levers:
+    """`--attn_recompute auto` on the GPU also keeps the outputs when the planner's estimate of the whole run with
+    them is under KEEP_PLAN_FRACTION of the device, though they take more than KEEP_DEVICE_FRACTION of it (Qwen3-8B
+    LoRA at 131k: 36.6 GiB kept, 105 GiB planned of 140). With `--checkpoint_layers auto` the search for the fewest
+    checkpointed layers spends that memory instead, as it always has."""
+    if (levers.keep_attention or not levers.checkpointing or request.attn_recompute != "auto" or fits is None
+            or device.type != "cuda" or levers.offload_activations or request.checkpoint_layers == "auto"):
+        return levers
+    kept = dataclasses.replace(levers, keep_attention=True)
+    under = fits(kept, KEEP_PLAN_FRACTION)
+    why = {**levers.why, "keep_attention": levers.why["keep_attention"] + (
+        f"; the whole plan with them is {'under' if under else 'over'} {KEEP_PLAN_FRACTION:.0%} of the device"
+        f"{': kept' if under else ''}")}
+    return dataclasses.replace(kept if under else levers, why=why)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 from .time_model import Constants, Run, forward_time, step_time
 
@@ -29,14 +30,18 @@ def pair_documents(seq_len: int, max_length: int, micro: int) -> tuple:
     return tuple(sides for _ in range(micro))
 
 
-def preference_step_time(run: Run, c: Constants = Constants()) -> dict:
-    """step_time of a pair row (its documents in `run.docs`) with our head and its second pass over the logits."""
+def preference_step_time(run: Run, c: Constants = Constants(), scored: Optional[int] = None) -> dict:
+    """step_time of a pair row (its documents in `run.docs`) with our head and its second pass over the logits.
+    `scored`: the completion tokens of a rank's rows, the only ones the head runs on (levers/preference_loss.py);
+    None counts every token, the bound for data the planner has not seen."""
     ours = dataclasses.replace(run, levers=dataclasses.replace(run.levers, loss_kernel="ours"))
     time = step_time(ours, c)
     t = run.micro * math.ceil(run.seq_len / run.sp)
+    share = 1.0 if scored is None else min(scored, t) / t
     extra = 2 * t * run.g["vocab"] * run.g["hidden"] / (c.loss_tflops * 1e12) * run.accum
-    parts = dict(time["parts"], loss=time["parts"]["loss"] + extra)
-    total = time["total"] + extra
+    head = (time["parts"]["loss"] + extra) * share  # step_time's loss part is the head on every token
+    parts = dict(time["parts"], loss=head)
+    total = time["total"] - time["parts"]["loss"] + head
     communication = parts["all-to-all"] + parts["exposed copies and collectives"]
     return {**time, "total": total, "parts": parts, "communication_share": communication / total,
             "reference_pass_row_s": forward_time(dataclasses.replace(ours, micro=1), c)}

@@ -244,7 +244,9 @@ class LeverConfig:
                                                  "from the forward, so the recompute skips the attention kernel (costs "
                                                  "layers x seq/sp x hidden x 2 bytes; on the host with "
                                                  "--offload_activations). always: plain checkpointing. auto: keep "
-                                                 "while that takes under 15%% of the device memory, or with "
+                                                 "while that takes under 15%% of the device memory or the planner's "
+                                                 "estimate of the whole run with it stays under 80%% of the device "
+                                                 "(without --checkpoint_layers auto), or with "
                                                  "--offload_activations while it and the checkpoints take under half "
                                                  "the host memory.")
     tiled_mlp: Literal[AUTO_ON_OFF] = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, "

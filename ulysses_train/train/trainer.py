@@ -101,11 +101,11 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: to
     micro = ds["train_micro_batch_size_per_gpu"]
     local_tokens = micro * math.ceil(cfg.data.seq_len / sp_size)
     g, choices = g or run_geometry(cfg, model_config), lever_choices(ds)
-    fits = None
-    if cfg.levers.checkpoint_layers == "auto":  # the planner's memory estimate decides how many layers to checkpoint
-        world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
-        fits = fits_on(g, cfg.data.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
-                       choices.get("zero_stage", 3), micro, dtype.itemsize)
+    # the planner's memory estimate: how many layers `--checkpoint_layers auto` checkpoints, and whether
+    # `--attn_recompute auto` can keep the attention outputs
+    world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
+    fits = fits_on(g, cfg.data.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
+                   choices.get("zero_stage", 3), micro, dtype.itemsize)
     return resolve_levers(cfg.lever_request(), g, local_tokens, dtype.itemsize, device, choices, fits)
 
 
