@@ -266,6 +266,9 @@ class Trainer:
         spec = self.adapter_spec
         model = build_model(self.model_config, cfg.base.model, self.dtype, log=self.log,
                             quantization=quantization_config(self.dtype) if spec and spec.load_in_4bit else None)
+        # from_pretrained returns the model in eval mode, where transformers' layers skip their checkpointing (and
+        # dropout): a --model run trained with every activation kept, the --model_config one did not
+        model.train()
         request = cfg.lever_request()
         device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device, self.geometry)
