@@ -146,6 +146,11 @@ def test_attn_recompute_auto_keeps_the_outputs_where_the_whole_plan_leaves_room(
     assert not _trainer_side(argv, 1, 1).keep_attention  # full fine-tuning: no room
     longer = _trainer_side(["--model_config", "qwen3-8b", "--seq_len", "163840", "--use_peft"], 1, 1)
     assert not longer.keep_attention and "over 80%" in longer.why["keep_attention"]
+    # judged with the layers the run checkpoints: 29 of 36 leave 7 layers' whole activations beside the outputs
+    partial = _trainer_side(argv + ["--use_peft", "--checkpoint_layers", "29"], 1, 1)
+    assert partial.checkpointed(36) == 29 and not partial.keep_attention
+    assert "over 80%" in partial.why["keep_attention"] and fits(estimate(g, 131072, 1, 1, partial), gpu, host)
+    assert not fits(estimate(g, 131072, 1, 1, dataclasses.replace(partial, keep_attention=True)), gpu, host)
     searched = _trainer_side(argv + ["--use_peft", "--checkpoint_layers", "auto"], 1, 1)
     assert not searched.keep_attention and "80%" not in searched.why["keep_attention"]
     assert 0 < searched.checkpointed(36) < 36

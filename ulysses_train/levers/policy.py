@@ -232,7 +232,7 @@ def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, devic
 
 
 def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
-                   ds_choices: Optional[dict] = None, fits: Optional[Callable[[Levers], bool]] = None) -> Levers:
+                   ds_choices: Optional[dict] = None, fits: Optional[Callable[..., bool]] = None) -> Levers:
     """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
     micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
     config fixes (tools/plan.py: ds_config_choices), `fits(levers, share=0.95)` whether given levers fit the
@@ -257,16 +257,17 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                     offload_optimizer=ds_choices.get("offload_optimizer", False),
                     gqa_native=not (act_bytes == 4 and device.type == "cuda"),
                     why={k: v for k, v in why.items() if v})
-    levers = _keep_attention_where_the_plan_fits(levers, request, device, fits)
-    return _checkpoint_layers(levers, request, g["layers"], device, fits)
+    levers = _checkpoint_layers(levers, request, g["layers"], device, fits)
+    return _keep_attention_where_the_plan_fits(levers, request, device, fits)
 
 
 def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
                                         fits: Optional[Callable[..., bool]]) -> Levers:
     """`--attn_recompute auto` on the GPU also keeps the outputs when the planner's estimate of the whole run with
     them is under KEEP_PLAN_FRACTION of the device, though they take more than KEEP_DEVICE_FRACTION of it (Qwen3-8B
-    LoRA at 131k: 36.6 GiB kept, 105 GiB planned of 140). With `--checkpoint_layers auto` the search for the fewest
-    checkpointed layers spends that memory instead, as it always has."""
+    LoRA at 131k: 36.6 GiB kept, 105 GiB planned of 140). Judged on the layers the run checkpoints (a number of them
+    leaves the others' whole activations beside the kept outputs). With `--checkpoint_layers auto` the search for
+    the fewest checkpointed layers spends that memory instead, as it always has."""
     if (levers.keep_attention or not levers.checkpointing or request.attn_recompute != "auto" or fits is None
             or device.type != "cuda" or levers.offload_activations or request.checkpoint_layers == "auto"):
         return levers

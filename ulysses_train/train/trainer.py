@@ -104,8 +104,11 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: to
     # the planner's memory estimate: how many layers `--checkpoint_layers auto` checkpoints, and whether
     # `--attn_recompute auto` can keep the attention outputs
     world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
+    ring = dims.resolve_ring_size(ring_size_number(cfg.parallel.ring_size) or "auto", sp_size,
+                                  *attention_heads(model_config))
     fits = fits_on(g, cfg.data.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
-                   choices.get("zero_stage", 3), micro, dtype.itemsize)
+                   choices.get("zero_stage", 3), micro, dtype.itemsize, loss_chunk=cfg.levers.loss_chunk_size,
+                   tile_tokens=cfg.levers.mlp_tile_tokens, ring=ring, pairs=cfg.pref.method != "sft")
     return resolve_levers(cfg.lever_request(), g, local_tokens, dtype.itemsize, device, choices, fits)
 
 
