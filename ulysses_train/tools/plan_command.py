@@ -106,6 +106,12 @@ def command(train_argv: list[str], machine: Machine) -> Command:
                    cfg.parallel.ds_config if "ds_config" in explicit else None, ring)
 
 
+def _estimate_settings(c: Command, sp: int) -> dict:
+    """The command's settings the memory estimate takes beside the levers (the ring only at the command's SP)."""
+    return {"loss_chunk": c.cfg.levers.loss_chunk_size, "tile_tokens": c.cfg.levers.mlp_tile_tokens,
+            "ring": c.ring if sp == c.sp else 1, "pairs": c.cfg.pref.method != "sft"}
+
+
 def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[int] = None,
              levers: Optional[Levers] = None, micro: Optional[int] = None) -> Plan:
     """Memory and time of the command, or of it with another SP size, levers or micro-batch (the accumulation
@@ -114,9 +120,8 @@ def evaluate(c: Command, machine: Machine, constants: Constants, sp: Optional[in
     accum = c.micro * c.accum // micro
     cfg = c.cfg
     pairs = cfg.pref.method != "sft"  # preference rows: tools/preference_plan.py
-    memory = estimate(c.g, micro * cfg.data.seq_len, machine.gpus, sp, levers, loss_chunk=cfg.levers.loss_chunk_size,
-                      tile_tokens=cfg.levers.mlp_tile_tokens, zero_stage=c.zero_stage, act_bytes=c.act_bytes,
-                      ring=c.ring if sp == c.sp else 1, pairs=pairs)
+    memory = estimate(c.g, micro * cfg.data.seq_len, machine.gpus, sp, levers, zero_stage=c.zero_stage,
+                      act_bytes=c.act_bytes, **_estimate_settings(c, sp))
     docs = pair_documents(cfg.data.seq_len, cfg.pref.max_length or cfg.data.seq_len // 2, micro) if pairs else None
     run = Run(c.g, cfg.data.seq_len, machine.gpus, sp, levers, c.kernel, micro, accum, c.zero_stage, docs=docs,
               act_bytes=c.act_bytes)
@@ -156,7 +161,7 @@ def fastest(c: Command, machine: Machine, constants: Constants, sp_sizes: Option
     plans, seen = [], set()
     for sp, micro, request, choices in candidates(c, machine, sp_sizes):
         fits_here = fits_on(c.g, c.cfg.data.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
-                            micro, c.act_bytes)
+                            micro, c.act_bytes, **_estimate_settings(c, sp))
         levers = resolve_levers(request, c.g, micro * math.ceil(c.cfg.data.seq_len / sp), c.act_bytes, machine.device(),
                                 choices, fits_here)
         key = (sp, micro, levers)
