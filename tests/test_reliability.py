@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, deepspeed_launcher
 
 HANG_GUARD_S = 600
@@ -111,6 +113,33 @@ def test_ctrl_c_saves_like_sigterm_and_a_second_one_stops_at_once(tmp_path):
     assert [code for code, _ in results] == [130, 130], results
     assert "stopped: SIGINT (nothing to save)" in results[0][1] and "Traceback" not in results[0][1]
     assert not (tmp_path / "twice" / "checkpoints" / "latest").exists()  # the held save never completed
+
+
+def test_a_second_ctrl_c_during_the_first_ones_message_stops_at_once(monkeypatch):
+    """CPython runs a pending signal's handler at the next bytecode, also inside a running handler. The first
+    Ctrl-C's handler wrote its message before setting the flag: a second Ctrl-C right after the message (a user's
+    double press; the test above under load) ran as another first one, and the run held on in its save. The flag
+    is now set before the message, so the nested second one stops at once."""
+    from ulysses_train.train.faults import Interrupted, StopFlag
+
+    stop = StopFlag()
+    try:
+        stop.armed = True
+        writes = []
+
+        def write_then_second_signal(fd, data):
+            writes.append(data)
+            if len(writes) == 1:  # the second Ctrl-C lands while the first handler is writing
+                stop._on_signal(signal.SIGINT, None)
+            return len(data)
+
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(os, "write", write_then_second_signal)
+        with pytest.raises(Interrupted):
+            stop._on_signal(signal.SIGINT, None)
+        assert stop.requested and len(writes) == 1 and b"Ctrl-C again stops at once" in writes[0]
+    finally:
+        stop.restore()
 
 
 def test_killing_the_deepspeed_command_stops_and_saves(tmp_path):

@@ -65,10 +65,13 @@ class StopFlag:
         StopFlag.interrupted_by = name
         if not self.armed or (signum == signal.SIGINT and self.requested):
             raise Interrupted(name)
-        if not self.requested and os.environ.get("RANK", "0") == "0":
+        first = not self.requested
+        # the flag before the message: a second Ctrl-C can run its handler inside this one (at any bytecode), and
+        # must find the first one counted
+        self.request(f"{name} received")
+        if first and os.environ.get("RANK", "0") == "0":
             again = "; Ctrl-C again stops at once" if signum == signal.SIGINT else ""
             os.write(2, f"{name}: finishing the current step and saving{again}\n".encode())
-        self.request(f"{name} received")
 
     def request(self, reason: str) -> None:
         """Stop after the current step and save (also from the watchdog's thread)."""
