@@ -156,6 +156,29 @@ def test_killing_the_deepspeed_command_stops_and_saves(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").exists()
 
 
+def _agree_on_one_ranks_stop(rank, world):
+    import torch
+
+    from ulysses_train.train.faults import StopFlag
+
+    stop = StopFlag()
+    try:
+        if rank == 1:  # only rank 1's watchdog saw the launcher go
+            stop.request("the launcher was stopped")
+        return stop.agreed(torch.device("cpu")), stop.requested, stop.reason
+    finally:
+        stop.restore()
+
+
+def test_every_rank_learns_why_another_rank_stopped():
+    """The test above failed under load with rank 0 logging "None: saved step 3": rank 1's watchdog noticed the
+    stopped launcher first, and rank 0 learned of the stop only through the agreement, without a reason of its own.
+    The agreement now carries the stopping rank's reason to every rank."""
+    from tests.distributed import run_distributed
+
+    assert run_distributed(_agree_on_one_ranks_stop, 2) == [(True, True, "the launcher was stopped")] * 2
+
+
 def test_a_busy_port_names_the_flag(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

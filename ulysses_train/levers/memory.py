@@ -234,9 +234,9 @@ def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95) -> boo
 
 def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
             micro: int = 1, act_bytes: int = 2, **run):
-    """Whether given levers fit this run on this machine, within a share of the GPU: what `--checkpoint_layers auto`
-    and `--attn_recompute auto` ask (the trainer and the planner pass it to the policy). `run`: estimate's other
-    settings of the run (loss_chunk, tile_tokens, ring, pairs)."""
+    """Whether given levers fit this run on this machine, within a share of the GPU: what `--checkpoint_layers auto`,
+    `--attn_recompute auto` and `--tiled_mlp auto` ask (the trainer and the planner pass it to the policy). `run`:
+    estimate's other settings of the run (loss_chunk, tile_tokens, ring, pairs)."""
     def fits_levers(levers: Levers, share: float = 0.95) -> bool:
         est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes, **run)
         return fits(est, gpu_mem, host_mem, share)

@@ -79,10 +79,17 @@ class StopFlag:
             self.requested, self.reason = True, reason
 
     def agreed(self, device) -> bool:
-        """Collective: True on every rank if any rank was signalled."""
+        """Collective: True on every rank if any rank was signalled. Then every rank also takes the reason of the
+        first rank that has one (a watchdog on one rank may be the only one to see its launcher go), so rank 0's
+        log says why."""
         flag = torch.tensor(float(self.requested), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if not flag.item():
+            return False
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, self.reason)  # once a run, at its stop: every rank is here
+        self.request(next((r for r in reasons if r is not None), "another rank stopped"))
+        return True
 
 
 def any_rank(condition: bool, device) -> bool:
