@@ -286,12 +286,7 @@ def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, d
     if (levers.keep_attention or not levers.checkpointing or request.attn_recompute != "auto" or fits is None
             or device.type != "cuda" or levers.offload_activations or request.checkpoint_layers == "auto"):
         return levers
-    kept = dataclasses.replace(levers, keep_attention=True)
-    under = fits(kept, KEEP_PLAN_FRACTION)
-    why = {**levers.why, "keep_attention": levers.why["keep_attention"] + (
-        f"; the whole plan with them is {'under' if under else 'over'} {KEEP_PLAN_FRACTION:.0%} of the device"
-        f"{': kept' if under else ''}")}
-    return dataclasses.replace(kept if under else levers, why=why)
+    return _if_the_plan_fits(levers, "keep_attention", True, KEEP_PLAN_FRACTION, fits, "with them", "kept")
 
 
 def _untile_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
@@ -302,9 +297,16 @@ def _untile_where_the_plan_fits(levers: Levers, request: LeverRequest, device: D
     the memory is short (Qwen3-8B LoRA at 131k on one H200: 3.0 s of a 43.3 s step for 11 GiB of 140)."""
     if not levers.tiled_mlp or request.tiled_mlp != "auto" or fits is None or device.type != "cuda":
         return levers
-    whole = dataclasses.replace(levers, tiled_mlp=False)
-    under = fits(whole, UNTILE_PLAN_FRACTION)
-    why = {**levers.why, "tiled_mlp": levers.why["tiled_mlp"] + (
-        f"; the whole plan untiled is {'under' if under else 'over'} {UNTILE_PLAN_FRACTION:.0%} of the device"
-        f"{': whole' if under else ''}")}
-    return dataclasses.replace(whole if under else levers, why=why)
+    return _if_the_plan_fits(levers, "tiled_mlp", False, UNTILE_PLAN_FRACTION, fits, "untiled", "whole")
+
+
+def _if_the_plan_fits(levers: Levers, lever: str, value: bool, fraction: float, fits: Callable[..., bool],
+                      plan: str, verdict: str) -> Levers:
+    """The levers with `lever` set to `value` if the planner's estimate of the whole run so is under `fraction` of
+    the device, else as they were; the reason says which."""
+    changed = dataclasses.replace(levers, **{lever: value})
+    under = fits(changed, fraction)
+    why = {**levers.why, lever: levers.why[lever] + (
+        f"; the whole plan {plan} is {'under' if under else 'over'} {fraction:.0%} of the device"
+        f"{': ' + verdict if under else ''}")}
+    return dataclasses.replace(changed if under else levers, why=why)
