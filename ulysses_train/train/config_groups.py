@@ -251,9 +251,9 @@ class LeverConfig:
                                                  "the host memory.")
     tiled_mlp: Literal[AUTO_ON_OFF] = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, "
                                          "recomputed per tile in backward, so its seq x intermediate tensors never "
-                                         "exist whole. auto: on when one such tensor would exceed 2 GiB, unless on the GPU "
-                                         "the planner's estimate of the whole run without the tiles is under 85%% "
-                                         "of the device (the tiles cost a third forward of the MLP).")
+                                         "exist whole. auto: on when one such tensor would exceed 2 GiB, unless "
+                                         "on the GPU the planner's estimate of the whole run without the tiles is "
+                                         "under 85%% of the device (the tiles cost a third forward of the MLP).")
     mlp_tile_tokens: int = _f(16384, "Tokens per MLP tile (per rank).", gt=0)
     share_master_weights: bool = _f(True, "ZeRO-3 with master weights in the model's dtype (bf16 states, or fp32): the "
                                     "optimizer updates the model's partition in place instead of a copy of it (2 bytes "

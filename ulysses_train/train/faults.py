@@ -82,9 +82,7 @@ class StopFlag:
         """Collective: True on every rank if any rank was signalled. Then every rank also takes the reason of the
         first rank that has one (a watchdog on one rank may be the only one to see its launcher go), so rank 0's
         log says why."""
-        flag = torch.tensor(float(self.requested), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+        if not any_rank(self.requested, device):
             return False
         reasons = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, self.reason)  # once a run, at its stop: every rank is here
