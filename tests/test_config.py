@@ -228,6 +228,12 @@ def test_attention_kernel_choice(monkeypatch):
     assert resolve_kernel("auto", "cuda", True, (8, 0)) == "sdpa"  # Ampere: FA4 has no kernels for it
     assert resolve_kernel("auto", "cuda", False, (9, 0)) == "sdpa"  # fp32: FA4 is bf16/fp16 only
     assert resolve_kernel("auto", "cpu", True) == "sdpa"
+    # Gemma 4's global layers have heads of 512, wider than FA4 takes on SM90: auto is SDPA, an explicit FA4 refused
+    assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=256) == "flash_attn_4"
+    assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=512) == "sdpa"
+    with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 takes heads of up to 256, .* heads of 512: use "
+                                          "--attn_kernel sdpa"):
+        resolve_kernel("flash_attn_4", "cuda", True, (9, 0), head_dim=512)
     with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 runs in bf16/fp16 only"):
         resolve_kernel("flash_attn_4", "cuda", False, (9, 0))
     with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 runs on CUDA GPUs only"):

@@ -221,3 +221,38 @@ def test_trainer_with_fused_kernels_on_matches_off(tmp_path):
     for a, b in zip(runs["off"][1], runs["on"][1], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+ALL_FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gemma2", "gemma3_text", "gemma4_text", "olmo3",
+                "gpt_oss", "llama4_text", "smollm3", "qwen3_5_text", "qwen3_next"]
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_family_runs_the_fused_kernels_in_bf16(family):
+    """Every supported family in bf16 with what `--fused_kernels auto` installs (norms, rotary, SwiGLU where they
+    match) runs its attention on q, k and v of one dtype (OLMo 3's rotary returns q's dtype from fp32 cos/sin; a
+    kernel that returned the promoted fp32 crashed SDPA and FA4 on the GPU), and its loss and gradients agree with
+    the unpatched bf16 model's to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import any_tiny_config
+    from ulysses_train.model.surgery import install_lean_norms
+    from ulysses_train.sp.attention import ATTN_NAME, register_ulysses_attention
+
+    register_ulysses_attention(None, "sdpa")  # the trainer's attention, one rank
+    config = any_tiny_config(family)
+    ids = torch.randint(3, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(4))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_NAME, dtype=torch.bfloat16)
+        model = model.to(DEVICE).train()
+        if fused:
+            install_lean_norms(model, fused=True), install_fused_rotary(model), install_fused_mlp(model)
+        loss = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
+        loss.backward()
+        grads = torch.cat([p.grad.float().flatten().cpu() for p in model.parameters() if p.grad is not None])
+        results.append((loss.float().item(), grads))
+    (base_loss, base_grads), (loss, grads) = results
+    assert loss == pytest.approx(base_loss, rel=2e-2)
+    assert rel_err(grads, base_grads) < 5e-2

@@ -187,9 +187,69 @@ def test_lora_export_adapter_and_merged_give_the_training_time_logits(launched, 
     with torch.no_grad():
         got = {"adapter": peft(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}
         untrained = plain(input_ids=ids).logits
+    # the checkpoint itself is PEFT's adapter folder, the trained values in fp32, its base the run's --model
+    saved = json.loads((tmp / "run" / "checkpoints" / "step_00000004" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == base
+    from_checkpoint = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), checkpoint)
+    with torch.no_grad():
+        got["checkpoint"] = from_checkpoint(input_ids=ids).logits
     for form, logits in got.items():
         torch.testing.assert_close(logits, results["logits"], rtol=1e-5, atol=1e-5, msg=form)
     assert not torch.allclose(untrained, results["logits"], atol=1e-3)  # training changed the model
+
+
+def test_export_never_writes_into_a_folder_that_holds_files(launched, capsys):
+    """A folder with a model in it is refused (its weights, tokenizer and chat template stayed, beside new adapter
+    files); --overwrite replaces it whole, through a temporary folder renamed into place; a failed export leaves
+    the folder as it was."""
+    from ulysses_train.tools.export import main as export_main
+
+    _, tmp = launched
+    checkpoint = str(tmp / "run" / "checkpoints" / "step_00000004")
+    target = tmp / "held"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "tokenizer_config.json").write_text("{}")
+    assert export_main([checkpoint, str(target)]) == 2
+    assert "is not empty (config.json, tokenizer_config.json): give a new folder, or --overwrite" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "tokenizer_config.json"]
+    assert export_main([checkpoint, str(target), "--overwrite", "--merge", "--base_model", str(tmp / "none")]) == 2
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "tokenizer_config.json"]
+    assert export_main([checkpoint, str(target), "--overwrite"]) == 0
+    assert (target / "adapter_model.safetensors").exists() and not (target / "config.json").exists()  # whole
+    assert not [p for p in tmp.iterdir() if ".export-" in p.name]  # no temporary folder left
+
+
+def test_a_bf16_merge_says_how_much_of_the_update_it_rounds_away(capsys):
+    """The merge is computed in fp32 and cast once. An update far below bf16's step on the weights (a short run's)
+    is rounded away by the cast: `auto` keeps the merged weights in fp32 and says why, `--dtype bf16` warns with the
+    share lost; an update bf16 holds is cast as asked."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+    from ulysses_train.tools.export import _merged_dtype, lost_update_share
+
+    config = tiny_config("qwen3")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # the merge runs in fp32
+    config.dtype = torch.bfloat16  # the run's dtype, which --dtype auto exports in
+    for scale, lost_much in ((1e-5, True), (1.0, False)):
+        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules="all-linear"))
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * scale)
+        merged = copy.deepcopy(peft).merge_and_unload()
+        lost = lost_update_share(peft, merged, torch.bfloat16)
+        assert (lost > 0.5) if lost_much else (lost < 0.1), (scale, lost)
+        assert _merged_dtype("auto", config, peft, merged) == (torch.float32 if lost_much else torch.bfloat16)
+        assert _merged_dtype("bf16", config, peft, merged) == torch.bfloat16
+        err = capsys.readouterr().err
+        assert ("the merged weights stay fp32" in err and "--dtype bf16 rounds away" in err) == lost_much, err
 
 
 def test_adapter_settings_a_user_can_get_wrong_are_named():

@@ -80,7 +80,7 @@ def test_deltanet_layers_of_a_family_without_the_sp_mixer_are_refused_with_their
 def test_an_unknown_family_is_refused_never_assumed_full_attention():
     config = AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     message = _refused(config)
-    assert "'phi3' is not among the families" in message and "never assumed to be full attention" in message
+    assert "'phi3' is a family the trainer has not made exact" in message and "never assumed to be full attention" in message
 
 
 def test_a_multimodal_wrapper_names_its_text_model():

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+from typing import Optional
 
 import torch
 
@@ -220,18 +221,20 @@ def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dt
 
 
 class RotaryFunction(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin for one of q, k (b, h, s, d); only cos and sin are saved."""
+    """x * cos + rotate_half(x) * sin for one of q, k (b, h, s, d), computed in fp32 and rounded once to `out_dtype`
+    (None: the promoted dtype of x and cos); only cos and sin are saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.x_dtype = x.dtype
-        return _launch_rotary(x, cos, sin, torch.result_type(x, cos), reverse=False)
+        return _launch_rotary(x, cos, sin, out_dtype or torch.result_type(x, cos), reverse=False)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _launch_rotary(grad_out, cos, sin, ctx.x_dtype, reverse=True), None, None
+        return _launch_rotary(grad_out, cos, sin, ctx.x_dtype, reverse=True), None, None, None
 
 
 def rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -46,6 +47,7 @@ ADAPTER_NAME = "default"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_MODULES = "adapter_modules.json"  # which modules are LoRA'd and trained whole, for export
 EMBEDDINGS = ("embed_tokens", "lm_head")  # PEFT's EMBEDDING_LAYER_NAMES: tied copies are kept tied
+REGEX_CHARACTERS = frozenset("*+?()[]{}|^$\\")  # a --lora_target_modules holding one is a regular expression
 
 
 def _names(value) -> tuple[str, ...]:
@@ -54,6 +56,27 @@ def _names(value) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(str(v).strip() for v in value if str(v).strip())
     return tuple(v.strip() for v in str(value).split(",") if v.strip())
+
+
+def parse_target_modules(value) -> dict:
+    """--lora_target_modules as AdapterSpec fields. PEFT takes target_modules as a list of names or as one string,
+    a regular expression matched with re.fullmatch against each module's whole name; so does this flag: a value
+    with a regular expression's special characters (`.*\\.(q|v)_proj`) is one expression (its commas included),
+    any other is comma-separated names, or all-linear. An empty value is refused: it once meant all-linear."""
+    text = str(value if value is not None else "").strip()
+    if any(c in REGEX_CHARACTERS for c in text):
+        try:
+            re.compile(text)
+        except re.error as e:
+            raise ConfigError(f"--lora_target_modules {text}: not a valid regular expression ({e}); give one (matched "
+                              f"against whole module names, as PEFT does), comma-separated module names, or "
+                              f"all-linear") from None
+        return {"target_modules": (), "target_regex": text}
+    names = _names(text)
+    if not names:
+        raise ConfigError("--lora_target_modules is empty: give module names (comma-separated, e.g. q_proj,v_proj), "
+                          "a regular expression over whole module names, or all-linear")
+    return {"target_modules": names}
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,7 @@ class AdapterSpec:
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     modules_to_save: tuple[str, ...] = ()
     load_in_4bit: bool = False
+    target_regex: Optional[str] = None  # instead of target_modules: PEFT's string form (parse_target_modules)
 
     @classmethod
     def from_config(cls, adapters) -> Optional["AdapterSpec"]:
@@ -76,13 +100,18 @@ class AdapterSpec:
 
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("--use_peft needs PEFT: pip install peft (or pip install -e \".[lora]\")")
-        return cls(adapters.lora_r, float(adapters.lora_alpha), float(adapters.lora_dropout),
-                   _names(adapters.lora_target_modules) or (ALL_LINEAR,), _names(adapters.lora_modules_to_save),
-                   bool(adapters.load_in_4bit))
+        return cls(r=adapters.lora_r, alpha=float(adapters.lora_alpha), dropout=float(adapters.lora_dropout),
+                   modules_to_save=_names(adapters.lora_modules_to_save), load_in_4bit=bool(adapters.load_in_4bit),
+                   **parse_target_modules(adapters.lora_target_modules))
 
     @property
     def all_linear(self) -> bool:
-        return self.target_modules == (ALL_LINEAR,)
+        return self.target_regex is None and self.target_modules == (ALL_LINEAR,)
+
+    @property
+    def targets(self) -> str:
+        """--lora_target_modules as given (for messages)."""
+        return self.target_regex or ",".join(self.target_modules)
 
     @property
     def scaling(self) -> float:
@@ -97,7 +126,8 @@ class AdapterSpec:
         save = list(self.modules_to_save) if with_modules_to_save and self.modules_to_save else None
         tie = bool(save) and tied and any(name.split(".")[-1] in EMBEDDINGS for name in save)
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=ALL_LINEAR if self.all_linear else list(self.target_modules),
+                          target_modules=self.target_regex or (ALL_LINEAR if self.all_linear
+                                                               else list(self.target_modules)),
                           modules_to_save=save, ensure_weight_tying=tie, bias="none", task_type="CAUSAL_LM",
                           base_model_name_or_path=base_model)
 
@@ -154,8 +184,26 @@ def _linear_suffixes(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
 
 
+def _example_name(model: nn.Module) -> str:
+    """A linear layer's whole name, to show what a regular expression is matched against."""
+    return next((name for name, m in model.named_modules() if _is_linear(m) and ".layers." in f".{name}"), "lm_head")
+
+
+def _tied_embeddings(model: nn.Module) -> dict[str, str]:
+    """With tied embeddings, the input embedding's module name -> the LM head's, and back; else {}."""
+    inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if (not getattr(model.config, "tie_word_embeddings", False) or inputs is None or head is None
+            or getattr(inputs, "weight", None) is not getattr(head, "weight", None)):
+        return {}
+    names = {id(m): name for name, m in model.named_modules()}
+    return {names[id(inputs)]: names[id(head)], names[id(head)]: names[id(inputs)]}
+
+
 def saved_module_names(model: nn.Module, spec: AdapterSpec) -> list[str]:
-    """The modules --lora_modules_to_save trains whole (PEFT's matching); each name must match one."""
+    """The modules --lora_modules_to_save trains whole (PEFT's matching); each name must match one. With tied
+    embeddings the LM head and the input embedding are one weight: training either trains both, and PEFT
+    (`ensure_weight_tying`) trains both copies as one tensor. Both are named, so that the weight, which our model
+    calls by the embedding's name, finds its PEFT name (--verify's reference, export) whichever was listed."""
     names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
     found = []
     for target in spec.modules_to_save:
@@ -164,14 +212,23 @@ def saved_module_names(model: nn.Module, spec: AdapterSpec) -> list[str]:
             raise ConfigError(f"--lora_modules_to_save {target}: no module of this {type(model).__name__} has a "
                               f"name ending with it (e.g. embed_tokens, lm_head, norm)")
         found += [n for n in matched if n not in found]
-    return found
+    tied = _tied_embeddings(model)
+    return found + [tied[n] for n in found if n in tied and tied[n] not in found]
 
 
 def _check_targets(model: nn.Module, spec: AdapterSpec) -> None:
-    """Every listed target module matches some module, before PEFT (which only complains when none does)."""
+    """Every listed target module (or the regular expression) matches some module, before PEFT (which only
+    complains when none does)."""
     if spec.all_linear:
         return
     names = [name for name, _ in model.named_modules() if name]
+    if spec.target_regex is not None:
+        if not any(re.fullmatch(spec.target_regex, n) for n in names):
+            raise ConfigError(f"--lora_target_modules {spec.target_regex}: a regular expression, matched as PEFT "
+                              f"matches one against each module's whole name (e.g. {_example_name(model)}), and no "
+                              f"module of this {type(model).__name__} matches it; or give names: "
+                              f"{', '.join(_linear_suffixes(model))} (or all-linear)")
+        return
     for target in spec.target_modules:
         if target == ALL_LINEAR:
             raise ConfigError("--lora_target_modules all-linear stands alone (every linear layer of the decoder); "
@@ -223,7 +280,7 @@ def add_adapters(model: nn.Module, spec: AdapterSpec, input_grads: bool = True) 
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # PEFT: no module matched, or a module type LoRA has no layer for
-        raise ConfigError(f"--lora_target_modules {','.join(spec.target_modules)}: {str(e).strip()}") from None
+        raise ConfigError(f"--lora_target_modules {spec.targets}: {_peft_refusal(e)}") from None
     from peft.tuners.lora import LoraLayer
 
     lora = [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
@@ -237,6 +294,7 @@ def add_adapters(model: nn.Module, spec: AdapterSpec, input_grads: bool = True) 
         if clash:
             raise ConfigError(f"{name} is both LoRA'd (--lora_target_modules) and trained whole "
                               f"(--lora_modules_to_save {clash[0]}): take it out of one of them")
+    _check_rank(model, lora, spec.r)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     head = model.get_output_embeddings()
     if tied and isinstance(head, LoraLayer):
@@ -249,6 +307,43 @@ def add_adapters(model: nn.Module, spec: AdapterSpec, input_grads: bool = True) 
     params = {id(p): p for p in model.parameters()}.values()
     return Adapters(spec, lora, saved, sum(_numel(p) for p in params if p.requires_grad),
                     sum(_numel(p) for p in params), tied)
+
+
+def _peft_refusal(error: ValueError) -> str:
+    """PEFT's refusal, said without the refused module's whole printed tree (`.*` matches the model itself)."""
+    text = str(error).strip()
+    refused = re.match(r"Target module (\w+)\(", text)
+    if refused is None:
+        return text
+    return (f"it matches a {refused.group(1)}, which takes no adapter: adapters go on linear layers (and a MoE's "
+            f"experts); name or match only those")
+
+
+def _rank_bound(module: nn.Module) -> Optional[int]:
+    """The highest rank an update of this LoRA'd layer can have: min(in, out) of its weight (one expert's, for a
+    MoE's experts). None for a MoE router (PEFT's ParamWrapper on a 2D weight, which all-linear adapts on
+    transformers 5): its width is the number of experts (8 for Mixtral), below the default r, as PEFT trains it."""
+    if _is_expert_wrapper(module):
+        weight = getattr(module.get_base_layer(), module.parameter_name)
+        if len(getattr(weight, "ds_shape", weight.shape)) < 3:
+            return None
+    return min(module.in_features, module.out_features)
+
+
+def _check_rank(model: nn.Module, lora: list[str], r: int) -> None:
+    """--lora_r at most every LoRA'd layer's rank bound: above it the update's rank cannot grow, and the extra ranks
+    only add parameters (r 100000 on a hidden size of 128 trained 486M of them)."""
+    bounds = {name: _rank_bound(model.get_submodule(name)) for name in lora}
+    bounds = {name: bound for name, bound in bounds.items() if bound is not None}
+    over = [name for name, bound in bounds.items() if r > bound]
+    if not over:
+        return
+    layer = model.get_submodule(over[0])
+    others = f", and of {len(over) - 1} more LoRA'd layers" if len(over) > 1 else ""
+    raise ConfigError(f"--lora_r {r} is above the rank of {over[0]} ({layer.in_features} inputs, {layer.out_features} "
+                      f"outputs: its update has rank {bounds[over[0]]} at most){others}; the extra ranks would only "
+                      f"add parameters: give --lora_r {min(bounds.values())} or less, or leave those layers out of "
+                      f"--lora_target_modules")
 
 
 def randomize_lora_b(model: nn.Module, seed: int, std: float = 0.01) -> int:

@@ -17,7 +17,8 @@ from ..sp.attention import ATTN_NAME
 from ..sp.support import layer_mixers
 from .buffers import restore_fp32_buffers
 from ..errors import ConfigError
-from ..paths import local_or_hub
+from ..paths import local_or_hub, looks_like_hub_id
+from .config_check import check_model_config
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, head_dim=128, attention_bias=False, attention_dropout=0.0,
               hidden_act="silu", rope_theta=1_000_000, max_position_embeddings=40960, vocab_size=151936)
@@ -122,14 +123,16 @@ PRESETS: dict[str, dict] = {
 
 
 def model_config_values(name: str) -> dict:
-    """The values of --model_config: a preset's, or a JSON file's (a ConfigError naming the flag and the file if it
-    cannot be read or does not hold a JSON object)."""
+    """The values of --model_config as given, for the resume check: a preset's, a JSON file's or a folder's
+    config.json (a ConfigError naming the flag and the file if it cannot be read or does not hold a JSON object),
+    or a hub id's config as transformers loads it."""
     if name in PRESETS:
         return dict(PRESETS[name])
-    if not os.path.isfile(name):
-        raise ConfigError(f"--model_config {name}: not a preset ({', '.join(PRESETS)}) nor a config.json file")
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        return _loaded_config(name, "model_config").to_dict()
     try:
-        with open(name, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             values = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"--model_config {name} is not a readable JSON file: {type(e).__name__}: {e}") from None
@@ -139,32 +142,63 @@ def model_config_values(name: str) -> dict:
     return values
 
 
-def load_model_config(model: Optional[str], model_config: Optional[str], num_layers: Optional[int] = None):
-    """The transformers config of --model, or of --model_config (preset name or JSON path); tiny by default, cut to
-    --num_layers. Whatever keeps it from loading is a ConfigError naming the flag."""
+def _json_object(path: str) -> Optional[dict]:
+    """A local config.json's values (None for a hub id's, or one transformers read and this cannot)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
+def _loaded_config(name: str, flag: str):
+    """transformers' config of a config.json file, a model folder or a hub id, as `from_pretrained` reads it (so
+    transformers' own saved files load: `{"__float__": "Infinity"}` values, per-layer-type rope parameters); what
+    keeps it from loading is a ConfigError naming the flag."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
+    local_or_hub(flag, name)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        # no such hub id, no or unreadable config.json, an unknown model_type, a value of the wrong type
+        text = " ".join(str(e).split())
+        raise ConfigError(f"--{flag} {name}: transformers refuses the config: {type(e).__name__}: "
+                          f"{text[:300]}") from None
+
+
+def load_model_config(model: Optional[str], model_config: Optional[str], num_layers: Optional[int] = None):
+    """The transformers config of --model, or of --model_config (a preset name, a config.json, a model folder or a
+    hub id); tiny by default, cut to --num_layers. A config the trainer cannot run (an unsupported family, a size
+    that is not a positive number) is refused here, before anything is built, by a ConfigError naming the flag."""
+    from transformers import AutoConfig
+
+    flag, name = ("model", model) if model else ("model_config", model_config or "tiny")
+    raw = None
     if model:
-        local_or_hub("model", model)
-        try:
-            config = AutoConfig.from_pretrained(model)
-        except (OSError, ValueError) as e:  # no such hub id, no or unreadable config.json, unknown model_type
-            raise ConfigError(f"--model {model}: {str(e).strip()}") from None
-    else:
-        name = model_config or "tiny"
-        values = model_config_values(name)
+        config = _loaded_config(model, "model")
+        raw = _json_object(os.path.join(model, "config.json"))
+    elif name in PRESETS:
+        config = AutoConfig.for_model(**PRESETS[name])
+    elif os.path.isfile(name):
+        values = model_config_values(name)  # a readable JSON object, or a message saying what it holds instead
         if "model_type" not in values:
             raise ConfigError(f"--model_config {name}: the config has no model_type")
-        try:
-            config = AutoConfig.for_model(**values)
-        except (ValueError, TypeError, KeyError) as e:  # an unknown model_type, a value of the wrong type
-            raise ConfigError(f"--model_config {name}: transformers refuses the config: {type(e).__name__}: "
-                              f"{str(e).strip()[:300]}") from None
+        config = _loaded_config(name, "model_config")
+        raw = values
+    else:
+        if not os.path.isdir(name) and not looks_like_hub_id(name):
+            raise ConfigError(f"--model_config {name}: not a preset ({', '.join(PRESETS)}), a config.json, a model "
+                              f"folder nor a hub id")
+        config = _loaded_config(name, "model_config")
+        raw = _json_object(os.path.join(name, "config.json"))
+    check_model_config(config, f"--{flag} {name}", raw)
     if num_layers is not None:
         depth = config.num_hidden_layers
         if not 1 <= num_layers <= depth:  # more layers than the model has would be built and index past its lists
-            raise ConfigError(f"--num_layers {num_layers}: {model or model_config or 'tiny'} has {depth} layers; "
-                              f"give 1 to {depth}")
+            raise ConfigError(f"--num_layers {num_layers}: {name} has {depth} layers; give 1 to {depth}")
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:num_layers]
@@ -203,6 +237,15 @@ def attention_heads(config) -> tuple[int, int]:
     q = config.num_attention_heads
     kv = [m.kv_heads for m in layer_mixers(config) if m.attention]
     return q, min(kv) if kv else q
+
+
+def widest_head_dim(config) -> int:
+    """The widest attention head of any layer (Gemma 4's global layers: `global_head_dim`, or a per-layer
+    `head_dim`), for the kernel choice (sp/kernels.py: resolve_kernel)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    views = [config] if per_layer is None else [per_layer[i] for i in range(config.num_hidden_layers)]
+    return max([getattr(v, "head_dim", None) or config.hidden_size // config.num_attention_heads for v in views]
+               + [getattr(config, "global_head_dim", None) or 0])
 
 
 @contextlib.contextmanager

@@ -108,6 +108,18 @@ def computes_llama_rotary(fn: Callable) -> bool:
     return torch.equal(got_q, want[0]) and torch.equal(got_k, want[1])
 
 
+@functools.lru_cache(maxsize=None)
+def rotary_keeps_input_dtype(fn: Callable) -> bool:
+    """Whether `fn(q, k, cos, sin)` returns q and k in their own dtype when cos and sin are fp32 (OLMo 3's rotary
+    embedding hands out fp32 cos and sin and casts its result back to q's dtype), rather than in the promoted dtype
+    (Llama's, whose cos and sin come in the activations' dtype)."""
+    g = _probe_generator()
+    q, k = torch.randn(1, 2, 3, 8, generator=g).bfloat16(), torch.randn(1, 1, 3, 8, generator=g).bfloat16()
+    angles = torch.rand(1, 3, 8, generator=g)
+    got_q, got_k = fn(q, k, angles.cos(), angles.sin())
+    return got_q.dtype == q.dtype and got_k.dtype == k.dtype
+
+
 def uses_global(fn: Callable, name: str) -> bool:
     """The innermost function under `fn`'s decorators reads the module global `name`."""
     code = getattr(inspect.unwrap(fn), "__code__", None)

@@ -43,7 +43,8 @@ from ..levers.tiled_mlp import tiled_forward
 from ..sp.all_to_all import group_size
 from ..sp.deltanet import is_deltanet, layout_of as deltanet_layout, sp_forward as deltanet_forward
 from ..sp.linear_kernel import LinearKernel, choose_linear_kernel
-from .matching import computes_llama_rms_norm, computes_llama_rotary, computes_swiglu, rebind_global, uses_global
+from .matching import (computes_llama_rms_norm, computes_llama_rotary, computes_swiglu, rebind_global,
+                       rotary_keeps_input_dtype, uses_global)
 
 _SUBCLASSES: dict[tuple, type] = {}  # (original class, what replaces) -> the subclass swapped in
 
@@ -128,10 +129,15 @@ def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
 
 
 def _fused_rotary(original: Callable) -> Callable:
+    """Our kernel in place of `original`, returning q and k in the dtype `original` would: their own where it casts
+    back (OLMo 3: fp32 cos and sin, bf16 q and k), else the promoted one."""
+    keeps_dtype = rotary_keeps_input_dtype(original)
+
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not rotary_fits(q, k, cos, sin, unsqueeze_dim):
             return original(q, k, cos, sin, unsqueeze_dim)
-        return RotaryFunction.apply(q, cos, sin), RotaryFunction.apply(k, cos, sin)
+        return (RotaryFunction.apply(q, cos, sin, q.dtype if keeps_dtype else None),
+                RotaryFunction.apply(k, cos, sin, k.dtype if keeps_dtype else None))
     return apply_rotary_pos_emb
 
 

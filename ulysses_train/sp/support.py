@@ -58,7 +58,8 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("Gemma 2", "sliding window, attention logit softcap, final logit softcap",
                      kernels="FA4, FA2 (SDPA on CPU)", **_WINDOWED),
     "gemma3_text": Family("Gemma 3 (text)", "sliding window on 5 of 6 layers", **_WINDOWED),
-    "gemma4_text": Family("Gemma 4 (text)", "sliding window, wider global heads, shared-KV layers", **_WINDOWED),
+    "gemma4_text": Family("Gemma 4 (text)", "sliding window, wider global heads, shared-KV layers",
+                          kernels="SDPA (FA4, FA2 where no head is over 256 wide)", **_WINDOWED),
     "olmo3": Family("OLMo 3", "sliding window on 3 of 4 layers", **_WINDOWED),
     "gpt_oss": Family("GPT-OSS", "sliding window, attention sinks, sparse MoE", kernels="FA4, SDPA", **_WINDOWED),
     "llama4_text": Family("Llama 4 (text)", "chunked attention, NoPE layers with temperature tuning, MoE",
@@ -122,7 +123,8 @@ class LayerMixer:
 
 
 def family_of(config) -> Family:
-    """The family of `config`, or a ConfigError saying why the trainer will not run it."""
+    """The family of `config`, or a ConfigError (one line) saying what kind of model it is and that the trainer
+    will not run it."""
     model_type = config.model_type
     if model_type in FAMILIES:
         return FAMILIES[model_type]
@@ -132,9 +134,41 @@ def family_of(config) -> Family:
                 f"its text model ({text_type}) is not supported either")
         raise ConfigError(f"model type {model_type!r} is a multimodal wrapper, which the trainer does not build: "
                           f"{hint} (--model_config with the text config, or --model with a text-only checkpoint)")
-    known = ", ".join(sorted(FAMILIES))
-    raise ConfigError(f"model type {model_type!r} is not among the families the trainer has made exact ({known}). "
-                      f"Its layers are never assumed to be full attention: see the supported models in docs/models.md")
+    kind = unsupported_kind(config)
+    raise ConfigError(f"model type {model_type!r} is {kind}, which the trainer does not train; it trains the "
+                      f"decoders of docs/models.md: {', '.join(FAMILIES)}")
+
+
+# config attributes that only state-space (Mamba) layers have
+_SSM_FIELDS = ("ssm_state_size", "state_size", "mamba_d_state", "mamba_d_conv", "time_step_rank", "time_step_limit",
+               "mamba_expand", "layers_block_type", "hybrid_override_pattern")
+
+
+def unsupported_kind(config) -> str:
+    """What kind of model an unsupported config describes, for the refusal: its token mixers or its positions are
+    what the trainer would get wrong, so they are named."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder"
+    if any(getattr(config, name, None) is not None for name in _SSM_FIELDS):
+        return "a state-space (Mamba) model or Mamba hybrid"
+    if getattr(config, "vision_config", None) is not None:
+        return "a vision-language model"
+    if not _has_causal_lm(config):
+        return "not a causal LM (an encoder or another head)"
+    if getattr(config, "model_type", "") in _ENCODERS:
+        return "an encoder (bidirectional attention)"
+    if getattr(config, "position_embedding_type", None) == "absolute" or hasattr(config, "n_positions"):
+        return "a model with learned absolute positions (GPT-2 style: no rotary positions to rescale)"
+    return "a family the trainer has not made exact (its layers are never assumed to be full attention)"
+
+
+_ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "modernbert", "deberta", "deberta-v2", "camembert"}
+
+
+def _has_causal_lm(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _per_layer_heads(config, index: int) -> tuple[int, int]:

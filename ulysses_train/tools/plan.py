@@ -270,12 +270,12 @@ def _main(argv=None) -> int:
     config = load_model_config(a.model, a.model_config, a.num_layers)
     g = geometry(config)
     if a.use_peft or a.load_in_4bit:
-        from ..model.adapters import AdapterSpec, adapter_geometry, _names
+        from ..model.adapters import AdapterSpec, adapter_geometry, _names, parse_target_modules
 
         if not a.use_peft:
             raise ConfigError("--load_in_4bit plans QLoRA: add --use_peft")
-        spec = AdapterSpec(r=a.lora_r, target_modules=_names(a.lora_target_modules) or ("all-linear",),
-                           modules_to_save=_names(a.lora_modules_to_save), load_in_4bit=a.load_in_4bit)
+        spec = AdapterSpec(r=a.lora_r, modules_to_save=_names(a.lora_modules_to_save), load_in_4bit=a.load_in_4bit,
+                           **parse_target_modules(a.lora_target_modules))
         g["adapters"] = adapter_geometry(config, spec)
     if a.sp_size:
         check_heads(a.sp_size, g["heads"], g["kv"],

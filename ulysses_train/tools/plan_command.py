@@ -21,7 +21,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..levers.policy import GiB, DeviceInfo, Levers, resolve_levers
-from ..model.build import attention_heads, load_model_config
+from ..model.build import attention_heads, load_model_config, widest_head_dim
+from ..sp.kernels import FLASH_MAX_HEAD_DIM
 from ..sp.support import check_support
 from ..sp import dims
 from ..levers.memory import estimate, fits, fits_on
@@ -74,8 +75,11 @@ class Plan:
     per_sequence: float  # step seconds per sequence trained
 
 
-def _kernel(name: str) -> str:
-    return "flash_attn_4" if name == "auto" else name
+def _kernel(name: str, config) -> str:
+    """The kernel the trainer's `auto` takes on an H200 with FlashAttention-4 installed (sp/kernels.py)."""
+    if name != "auto":
+        return name
+    return "flash_attn_4" if widest_head_dim(config) <= FLASH_MAX_HEAD_DIM else "sdpa"
 
 
 def command(train_argv: list[str], machine: Machine) -> Command:
@@ -93,7 +97,7 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     ring = dims.resolve_ring_size(cfg.parallel.ring_size, sp, *attention_heads(config))
     dims.validate(machine.gpus, sp, *attention_heads(config), {"seq_len": cfg.data.seq_len}, cfg.data.pad_to_sp, ring)
     # what the trainer refuses, refused here
-    check_support(config, sp, ring, _kernel(cfg.levers.attn_kernel), "cuda", cfg.data.packing)
+    check_support(config, sp, ring, _kernel(cfg.levers.attn_kernel, config), "cuda", cfg.data.packing)
     bf16 = cfg.base.dtype != "fp32"  # auto is bf16 on a GPU
     ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, machine.gpus // sp, sp,
                            config.hidden_size, use_bf16=bf16, random_init=cfg.base.model is None)
@@ -101,7 +105,7 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     g = run_geometry(cfg, config)  # with --use_peft, what the adapters change
     levers = run_levers(cfg, config, ds, sp, dtype, machine.device(), g)
     choices = lever_choices(ds)
-    return Command(cfg, g, sp, levers, _kernel(cfg.levers.attn_kernel), ds["train_micro_batch_size_per_gpu"],
+    return Command(cfg, g, sp, levers, _kernel(cfg.levers.attn_kernel, config), ds["train_micro_batch_size_per_gpu"],
                    ds["gradient_accumulation_steps"], choices["zero_stage"], dtype.itemsize, choices,
                    cfg.parallel.ds_config if "ds_config" in explicit else None, ring)
 

@@ -8,6 +8,8 @@ Layout under `<output_dir>/checkpoints/`:
         rng/rank_<r>.pt       torch / CUDA / numpy / python RNG states (tensors and ints only)
         model/                config.json and tokenizer, for export (with --use_peft also PEFT's
                               adapter_config.json and adapter_modules.json: model/adapters.py)
+        adapter_config.json   with --use_peft: PEFT's adapter folder (and adapter_model.safetensors, the trained
+                              values in fp32), for PeftModel.from_pretrained(base, <this folder>)
         MANIFEST.json         every file above with its size and hash (manifest.py)
         COMPLETE              written last
     latest                    the name of the newest complete checkpoint (for people and tools)
@@ -321,6 +323,18 @@ def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config,
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
 
 
+def write_peft_folder(folder: str) -> None:
+    """PEFT's adapter files at the top of a --use_peft checkpoint (model/peft_files.py), from its consolidated fp32
+    shards, so that `PeftModel.from_pretrained(base, <checkpoint>)` and vLLM's LoRA loader take the folder as it is."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ..model.peft_files import write_adapter_folder
+
+    with safe_loading():
+        state = get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
+    write_adapter_folder(folder, folder, {k.removeprefix("model."): v for k, v in state.items()})
+
+
 def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, model_config, tokenizer,
                     rank: int, total_limit: Optional[int] = None, adapters=None, base_model: Optional[str] = None
                     ) -> str:
@@ -344,6 +358,8 @@ def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, mod
         os.makedirs(os.path.join(tmp, "rng"))
 
     def publish():
+        if adapters is not None:  # every rank's shards are written (agreed above): PEFT's folder from them
+            write_peft_folder(tmp)
         write_manifest(tmp)
         write_text_atomically(os.path.join(tmp, COMPLETE), complete_marker(step))
         shutil.rmtree(final, ignore_errors=True)

@@ -171,6 +171,11 @@ class TrainConfig:
             if name in FREE_SETTINGS:
                 raise ConfigError(f"--resume_override {name}: {name} never needs an override (it does not change "
                                   f"what is trained)")
+            if name in SHAPE_SETTINGS:
+                raise ConfigError(f"--resume_override {name}: {name} decides which tensors are trained and their "
+                                  f"shapes, and a checkpoint holds only those it trained: it cannot change on "
+                                  f"resume; keep the checkpoint's value, or start a new --output_dir (from its "
+                                  f"exported weights as --model)")
 
 
 def check_bounds(cfg: TrainConfig) -> None:
@@ -221,6 +226,13 @@ FREE_SETTINGS = frozenset({
     "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "tiled_mlp",
     "mlp_tile_tokens", "share_master_weights", "lean_norm", "fused_kernels", "offload_activations",
     "loss_chunk_size", "loss_kernel", "linear_kernel"})
+
+
+# Settings that decide which tensors are trained and their shapes: LoRA or every weight, the adapters' rank, the
+# modules that take adapters or are trained whole. A checkpoint holds exactly the tensors its run trained (under
+# --use_peft, no frozen weight) and their optimizer states, so no override can change them on resume (train/resume.py
+# refuses). --lora_alpha, --lora_dropout and --load_in_4bit change no trained tensor: they may be overridden.
+SHAPE_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save")
 
 
 def ring_size_number(value: str) -> Optional[int]:

@@ -42,8 +42,9 @@ class ModelConfig:
 
     model: Optional[str] = _f(None, "Local folder or hub id of a pretrained causal LM (weights and tokenizer are "
                               "loaded from it). Mutually exclusive with --model_config.")
-    model_config: Optional[str] = _f(None, "Random initialisation from a preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b, "
-                                     "qwen3-30b-a3b) or a config.json path. Default: tiny, when --model is not given.")
+    model_config: Optional[str] = _f(None, "Random initialisation from a preset (tiny, qwen3-4b, gemma3-4b, olmo3-7b, "
+                                     "...: docs/models.md), a config.json, a model folder or a hub id (its config "
+                                     "only). Default: tiny, when --model is not given.")
     num_layers: Optional[int] = _f(None, "Override the number of decoder layers of --model_config (for benchmarks at "
                                    "reduced depth).", gt=0)
     dtype: Literal[DTYPES] = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.")
@@ -150,7 +151,9 @@ class AdapterConfig:
                              "deterministic and --verify can check it).", ge=0, lt=1)
     lora_target_modules: str = _f("all-linear", "Modules that get adapters: comma-separated names (matched as PEFT "
                                   "does: the module's name or its last components, e.g. q_proj,v_proj; lm_head too), "
-                                  "or all-linear: every linear layer of the decoder, not the LM head.")
+                                  "a regular expression (a value with *, |, ( ...: PEFT's string form, matched against "
+                                  "whole module names, e.g. '.*\\.(q|v)_proj'), or all-linear: every linear layer "
+                                  "of the decoder, not the LM head.")
     lora_modules_to_save: Optional[str] = _f(None, "Modules trained whole beside the adapters and saved with them "
                                              "(PEFT's modules_to_save: a module whose name ends with the string), e.g. "
                                              "embed_tokens,lm_head,norm; norm takes every RMSNorm (LongLoRA's "

@@ -6,8 +6,10 @@ state), so the previous checkpoint's size, from its manifest, is the known size 
 rank 0 compares it with the free space of the checkpoints' file system and refuses a save that cannot fit (a full
 disk mid-save ends in torch's zip writer as `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos`,
 not an OSError, after filling the disk). Before the first save there is only an estimate (parameters x (bytes per
-weight + 12 for Adam's fp32 master and moments)); it warns, never refuses. After a save, a warning says when the
-next one will not fit.
+weight + 12 for Adam's fp32 master and moments)); it warns, never refuses. A --use_peft run saves only what it
+trains (the adapters and the modules trained whole: the frozen base is rebuilt on resume) and PEFT's adapter file of
+them in fp32, so its estimate counts the trained parameters alone, 4 bytes more each. After a save, a warning says
+when the next one will not fit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ BLOCK = 4096  # files take whole blocks
 SLACK = 256 << 10  # the markers, the manifest, `latest`
 NEARLY_FULL = 64 << 20  # below this, a failed write is most likely the full disk
 ADAM_BYTES = 12  # fp32 master copy, first and second moments
+ADAPTER_FILE_BYTES = 4  # a --use_peft checkpoint's adapter_model.safetensors: the trained values in fp32
 
 
 def size_text(n: float) -> str:
@@ -45,9 +48,16 @@ def checkpoint_bytes(folder: Optional[str]) -> Optional[int]:
     return sum(math.ceil(size / BLOCK) * BLOCK for size in sizes) + SLACK
 
 
-def estimated_checkpoint_bytes(parameters: int, bytes_per_weight: int) -> int:
-    """What a checkpoint of a model of `parameters` parameters trained with Adam takes, about (module docstring)."""
-    return parameters * (bytes_per_weight + ADAM_BYTES) + SLACK
+def estimated_checkpoint_bytes(parameters: int, bytes_per_weight: int, adapters: bool = False) -> int:
+    """What a checkpoint of `parameters` parameters trained with Adam takes, about (module docstring); `adapters`:
+    of a --use_peft run, whose `parameters` are the trained ones only, saved with PEFT's adapter file."""
+    return parameters * (bytes_per_weight + ADAM_BYTES + (ADAPTER_FILE_BYTES if adapters else 0)) + SLACK
+
+
+def saved_parameters(module, adapters: bool) -> int:
+    """The parameters a checkpoint holds: every one, or under --use_peft the trained ones (train/checkpoint.py
+    leaves the frozen base out). Tied weights count once."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not adapters)
 
 
 def free_bytes(path: str) -> int:

@@ -7,6 +7,12 @@ run's settings are compared with those saved in the checkpoint's trainer_state.j
 
 A setting that alters what is trained (every flag but FREE_SETTINGS) and differs from the checkpoint's is a
 ConfigError naming each difference (old -> new) unless `--resume_override` names it; an override is then applied.
+Settings that decide which tensors are trained and their shapes (SHAPE_SETTINGS: LoRA or every weight, the
+adapters' rank and modules) cannot be overridden: a checkpoint holds only the tensors its run trained, and DeepSpeed
+would fail on the first size that differs. Such a change is refused with what to do instead (restore the values,
+or start a new --output_dir from the exported weights). After the engine is built, the trained tensors' names and
+shapes are compared with those the checkpoint saved (check_trained_shapes), which also names a model_config
+override that changes a shape, before DeepSpeed's load meets it.
 The learning-rate schedule is a pure function of the step and the flags (--lr, --steps or --epochs,
 --warmup_steps or --warmup_ratio, --lr_scheduler_type, --min_lr_ratio: schedule.py): a resumed run follows the
 schedule of a run launched with its own flags, from the resumed step on. With unchanged flags that is exactly the schedule the checkpoint was on; with a new --steps the lr jumps to
@@ -17,21 +23,24 @@ continue lower).
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, ConfigError
-from .checkpoint import read_trainer_state, resolve_resume
-from .config import FREE_SETTINGS, TrainConfig
+from .checkpoint import read_trainer_state, resolve_resume, safe_loading
+from .config import FREE_SETTINGS, SHAPE_SETTINGS, TrainConfig
 from .run_folder import check_writable, claim_for_fresh_run
 
 SCHEDULE_SETTINGS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "epochs", "warmup_ratio", "lr_scheduler_type")
 LAUNCH_ONLY = ("resume", "resume_override", "overwrite_output_dir")  # differ between launches by nature
 
-__all__ = ["FREE_SETTINGS", "NothingToDo", "ResumePlan", "apply_optimizer_settings", "apply_schedule",
-           "compare_settings", "plan_run", "training_settings"]
+__all__ = ["FREE_SETTINGS", "NothingToDo", "ResumePlan", "SHAPE_SETTINGS", "apply_optimizer_settings",
+           "apply_schedule", "check_trained_shapes", "compare_settings", "plan_run", "training_settings"]
 
 
 class NothingToDo(Exception):
@@ -92,6 +101,7 @@ def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: 
         new = {name: new_config[name] for name in old}
     changed = sorted(name for name in new if name in old and not _same(name, old[name], new[name], new_config))
     describe = {name: _describe(name, old[name], new[name], old_config, new_config) for name in changed}
+    _refuse_shape_changes([describe[name] for name in changed if name in SHAPE_SETTINGS], checkpoint, old_config)
     overrides = cfg.overrides()
     refused = [name for name in changed if name not in overrides]
     if refused:
@@ -102,6 +112,75 @@ def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: 
     free = [f"{name} {old_config[name]} -> {new_config[name]}" for name in sorted(FREE_SETTINGS)
             if name in old_config and name not in LAUNCH_ONLY and old_config[name] != new_config[name]]
     return describe, free
+
+
+def _refuse_shape_changes(changes: list[str], checkpoint: str, old_config: dict) -> None:
+    """One ConfigError for changes of SHAPE_SETTINGS (module docstring), saying what to do instead."""
+    if not changes:
+        return
+    raise ConfigError(f"{checkpoint} cannot continue with {', '.join(changes)}: these decide which tensors are "
+                      f"trained and their shapes (LoRA or every weight, the adapters' rank and modules), and a "
+                      f"checkpoint holds only the tensors its run trained, with their optimizer states; no "
+                      f"--resume_override changes them. To continue this run, restore the old values; "
+                      f"{_anew(checkpoint, old_config)}")
+
+
+def _anew(checkpoint: str, old_config: dict) -> str:
+    """How to train the new way: from the checkpoint's exported weights where they can be exported (a LoRA run on a
+    random initialisation saved no base to merge into), else afresh."""
+    if old_config.get("use_peft") and not old_config.get("model"):
+        return ("to train the new way, start afresh in a new --output_dir (this LoRA run's base was a random "
+                "initialisation, which no checkpoint holds)")
+    merge = " --merge" if old_config.get("use_peft") else ""
+    return (f"to train the new way from its weights, export them (python -m ulysses_train.export {checkpoint} "
+            f"OUT{merge}) and start a new --output_dir with --model OUT")
+
+
+def _saved_shapes(checkpoint: str) -> Optional[dict]:
+    """{name: shape} of the tensors the checkpoint trained (DeepSpeed's `param_shapes`, in every rank's model-states
+    file alike), or None where they cannot be read (DeepSpeed's own load then says what is wrong)."""
+    files = sorted(glob.glob(os.path.join(checkpoint, "ds", "*model_states.pt")))
+    if not files:
+        return None
+    try:
+        with safe_loading():
+            state = torch.load(files[0], map_location="cpu", mmap=True)
+        return {name: tuple(shape) for group in state["param_shapes"] for name, shape in group.items()}
+    except Exception:  # noqa: BLE001 - any unreadable file is DeepSpeed's load's to name
+        return None
+
+
+def _shape_difference(saved: dict, trained: dict) -> Optional[str]:
+    """The first differences of names and shapes between the checkpoint's trained tensors and this run's."""
+    def show(shape):
+        return "x".join(map(str, shape)) or "a scalar"
+
+    found = [f"{n}: {show(saved[n])} there, {show(trained[n])} here" for n in saved
+             if n in trained and saved[n] != trained[n]]
+    found += [f"{n} only there" for n in saved if n not in trained]
+    found += [f"{n} only here" for n in trained if n not in saved]
+    if not found:
+        return None
+    return "; ".join(found[:3]) + (f"; {len(found) - 3} more" if len(found) > 3 else "")
+
+
+def check_trained_shapes(module, checkpoint: str, rank: int) -> None:
+    """Collective: a ConfigError on every rank when the tensors this run trains (names and shapes) are not those
+    the checkpoint trained, instead of DeepSpeed's size mismatch or KeyError in the middle of its load."""
+    problem = [None]
+    if rank == 0:
+        saved = _saved_shapes(checkpoint)
+        trained = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()
+                   if p.requires_grad}
+        difference = None if saved is None else _shape_difference(saved, trained)
+        if difference:
+            problem[0] = (f"{checkpoint} trained other tensors than this run trains ({difference}): a checkpoint "
+                          f"continues only a run of the same architecture and the same trained tensors; restore "
+                          f"the settings it was trained with (its trainer_state.json), or start afresh in a new "
+                          f"--output_dir")
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ConfigError(problem[0])
 
 
 def _decide(cfg: TrainConfig, settings: dict, dp_size: int, sp_size: int, own_scheduler: bool,

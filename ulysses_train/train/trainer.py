@@ -33,7 +33,8 @@ from ..levers.preference_loss import PreferenceLMWithSPLoss
 from ..levers.rope import configure_rope
 from ..model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
 from ..model.buffers import restore_fp32_buffers
-from ..model.build import attention_heads, build_model, load_model_config, model_config_values
+from ..model.build import (attention_heads, build_model, load_model_config, model_config_values,
+                           widest_head_dim)
 from ..model.geometry import geometry
 from ..model.surgery import apply_levers, apply_sp_patches
 from ..sp import dims
@@ -42,9 +43,9 @@ from ..sp.groups import SequenceParallelGroups, init_distributed, local_world_si
 from ..sp.kernels import resolve_kernel
 from ..sp.support import check_support, describe_layers
 from .checkpoint import load_checkpoint, newest_complete, save_checkpoint
-from .disk_space import checkpoint_bytes, estimated_checkpoint_bytes, too_little_space
+from .disk_space import checkpoint_bytes, estimated_checkpoint_bytes, saved_parameters, too_little_space
 from .config import TrainConfig, ring_size_number, write_resolved_config
-from .resume import apply_optimizer_settings, apply_schedule, plan_run, training_settings
+from .resume import apply_optimizer_settings, apply_schedule, check_trained_shapes, plan_run, training_settings
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
@@ -168,7 +169,8 @@ class Trainer:
             torch.cuda.set_device(self.device)
         use_bf16 = cfg.base.dtype == "bf16" or (cfg.base.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
-        self.kernel = resolve_kernel(cfg.levers.attn_kernel, self.device.type, use_bf16, capability)
+        self.kernel = resolve_kernel(cfg.levers.attn_kernel, self.device.type, use_bf16, capability,
+                                     widest_head_dim(self.model_config))
         self.adapter_spec = AdapterSpec.from_config(cfg.adapters)
         if self.adapter_spec and self.adapter_spec.load_in_4bit:
             check_4bit(self.device)
@@ -337,6 +339,7 @@ class Trainer:
         if not self.resume_from:
             return 0
         self.checkpoint = self.resume_from
+        check_trained_shapes(self.module, self.resume_from, self.rank)  # a clear error, not DeepSpeed's mid-load
         state = load_checkpoint(self.engine, self.resume_from, self.rank, adapters_only=self.adapters is not None)
         if "optimizer" not in self.ds:  # the checkpoint's param groups came back with their betas, eps and decay
             apply_optimizer_settings(self.engine.optimizer, self.cfg)
@@ -431,9 +434,10 @@ class Trainer:
         root = os.path.join(self.cfg.output.output_dir, "checkpoints")
         previous = newest_complete(self.cfg.output.output_dir)
         need, what = checkpoint_bytes(previous), f"the size of {previous}"
-        if need is None:
-            parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
-            need, what = estimated_checkpoint_bytes(parameters, self.dtype.itemsize), "estimated"
+        if need is None:  # an adapter run saves only what it trains (disk_space.py)
+            adapters = self.adapters is not None
+            need = estimated_checkpoint_bytes(saved_parameters(self.module, adapters), self.dtype.itemsize, adapters)
+            what = "estimated"
         problem = too_little_space(root, need, what)
         if problem:
             self.warn(f"the first save will fail: {problem}")

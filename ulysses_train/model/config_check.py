@@ -1,0 +1,91 @@
+"""The model config's own values, checked once it is loaded and before anything is built.
+
+transformers checks a config's types, not its values: a config.json with `num_attention_heads: -8` loads and fails
+later inside torch, and a top-level `rope_theta: Infinity` beside `rope_parameters` is dropped without a word. So the
+trainer, `--verify`, the planner and `eval_positions` (every caller of `load_model_config`) refuse here, by field:
+an unsupported family (sp/support.py: `family_of` says which kind of model it is), a size, length or window that is
+not a positive whole number, and a rotary base or factor that is not a positive finite number.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+from ..errors import ConfigError
+from ..sp.support import family_of
+
+# counts and lengths: a positive whole number where the config sets them (None: the family's own default)
+POSITIVE_INTS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
+                 "attention_chunk_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                 "num_experts_per_tok", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim", "global_head_dim")
+# rotary parameters that must be positive and finite where they are set
+POSITIVE_ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "attention_factor")
+
+
+def check_model_config(config, source: str, raw: Optional[dict] = None) -> None:
+    """A ConfigError (one line, starting with `source`, e.g. "--model_config x.json") for the first value of
+    `config` the trainer cannot run; `raw`: the config.json's own values, where there is one (transformers drops a
+    top-level rope_theta when rope_parameters is there)."""
+    try:
+        family_of(config)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    for where, view in _views(config):
+        for name in POSITIVE_INTS:
+            value = _value(view, name)
+            if value is not None and not _positive_int(value):
+                raise ConfigError(f"{source}: {where}{name} is {value!r}; it must be a positive whole number")
+    theta = (raw or {}).get("rope_theta")
+    for where, params in _rope_parameter_sets(config, theta):
+        for key in POSITIVE_ROPE:
+            value = params.get(key)
+            if value is not None and not _positive_finite(value):
+                raise ConfigError(f"{source}: {where}{key} is {value!r}; it must be a positive finite number")
+    used = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    if theta is not None and used is not None and theta != used:
+        raise ConfigError(f"{source}: rope_theta {theta!r} differs from rope_parameters.rope_theta {used!r}, which "
+                          f"transformers uses: give one of them")
+
+
+def _views(config) -> Iterator[tuple[str, Any]]:
+    """The config, then each layer's view of it where layers differ (Gemma 4's per_layer_config)."""
+    yield "", config
+    per_layer = _value(config, "per_layer_config")
+    if per_layer is not None:
+        for index in range(config.num_hidden_layers):
+            yield f"layer {index}: ", per_layer[index]
+
+
+def _value(config, name: str):
+    """`config.name`, or None where it is unset or differs between layers (a heterogeneous config refuses to give
+    one value for them: its layers' views are checked one by one)."""
+    try:
+        return getattr(config, name, None)
+    except (AttributeError, ValueError, RuntimeError):  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
+def _rope_parameter_sets(config, theta) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(a prefix naming where, the parameters) for the top-level rope_theta and each set of rope_parameters (one, or
+    one per layer type)."""
+    if theta is not None:
+        yield "", {"rope_theta": theta}
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict):
+        return
+    if all(isinstance(v, dict) for v in params.values()) and params:
+        for layer_type, sub in params.items():
+            yield f"rope_parameters.{layer_type}.", sub
+    else:
+        yield "rope_parameters.", params
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
