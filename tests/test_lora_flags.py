@@ -247,3 +247,19 @@ def test_the_first_save_estimate_of_a_lora_run_counts_what_it_saves(small_disk, 
     assert real <= estimate <= 2 * real, (real, estimate)
     if small_disk is None:
         pytest.skip("no tmpfs could be mounted here: the estimate was checked, not the warning on a small disk")
+
+
+def test_the_export_of_a_random_init_lora_run_needs_its_base(tmp_path, capsys):
+    """A LoRA run on a random initialisation (--model_config) saved no base weights: an adapter folder of it (whose
+    base_model_name_or_path was a folder without weights) and a merge are refused, naming --base_model; the
+    checkpoint itself is still PEFT's adapter folder."""
+    from ulysses_train.tools.export import main as export_main
+
+    out = tmp_path / "run"
+    run([sys.executable], TINY + ["--use_peft"], out)
+    checkpoint = str(out / "checkpoints" / "step_00000001")
+    for extra in ([], ["--merge"]):
+        assert export_main([checkpoint, str(tmp_path / "exported"), *extra]) == 2
+        assert "trained on a random initialisation (no --model)" in capsys.readouterr().err
+        assert not (tmp_path / "exported").exists()
+    assert json.loads((out / "checkpoints" / "step_00000001" / "adapter_config.json").read_text())["r"] == 16
