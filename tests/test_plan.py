@@ -207,7 +207,11 @@ def test_longest_fits_and_one_step_more_does_not(capsys):
     (["--seq_len", "4096", "--num_layers", "99"], "--num_layers 99: qwen3-4b has 36 layers"),
     (["--seq_len", "4096", "--sp_size", "8", "--gpus", "2"], "--sp_size 8 does not divide --gpus 2"),
     (["--seq_len", "4096", "--sp_size", "0"], "--sp_size must be >= 1, got 0"),
-    (["--seq_len", "4096", "--gpus", "0"], "--gpus must be positive, got 0"),
+    (["--seq_len", "4096", "--gpus", "0"], "--gpus must be 1 to 65,536, got 0"),
+    # these hung, printing nothing (the SP search walked every count up to --gpus)
+    (["--seq_len", "1048576", "--gpus", "1000000000"], "--gpus must be 1 to 65,536, got 1,000,000,000"),
+    (["--longest", "--gpus", "1000000"], "--gpus must be 1 to 65,536, got 1,000,000"),
+    (["--seq_len", "4096", "--use_peft", "--lora_r", "1000000"], "--lora_r 1000000 is above the rank of"),
     (["--seq_len", "4096", "--gpu_mem_gib", "inf"], "--gpu_mem_gib must be a positive finite number, got inf"),
     (["--seq_len", "4096", "--gpu_mem_gib", "nan"], "--gpu_mem_gib must be a positive finite number, got nan"),
     (["--seq_len", "4096", "--host_mem_gib", "0"], "--host_mem_gib must be a positive finite number, got 0.0"),

@@ -74,12 +74,18 @@ def _ladder(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem:
     return rungs
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of n, smallest first, in sqrt(n) steps (a count of a billion GPUs is planned, not looped over)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def sp_plans(g: dict, gpus: int, sp: Optional[int] = None, ring: Optional[int] = None) -> list[tuple[int, int]]:
     """(sp, ring) for each SP size the planner may try (only `sp` if given), smallest first: the ring `ring`, or by
     default the one --ring_size auto chooses (none where the heads allow a pure Ulysses split)."""
     plans = []
     family = FAMILIES.get(g.get("model_type"))
-    for size in [sp] if sp else range(1, gpus + 1):
+    for size in [sp] if sp else _divisors(gpus):  # an SP group divides the GPUs (sp/dims.py)
         if size > 1 and family is not None and not family.sequence_parallel:
             continue  # layers the support check refuses under SP (sp/support.py)
         size_ring = ring or resolve_ring_size("auto", size, g["heads"], g["kv"])
@@ -173,10 +179,14 @@ def _gpu_rows(est: dict, levers: Levers) -> list:
     return [(f"loss ({levers.loss_kernel})" if k == "loss" else k, v) for k, v in est["gpu"].items()]
 
 
+MAX_GPUS = 65536  # a plan's SP search and ring traffic stay instant up to here; a billion GPUs took a minute
+
+
 def check_numbers(a: argparse.Namespace) -> None:
     """The planner's own flags, before any model is read: a plan of zero tokens, GPUs or memory is no plan."""
-    if a.gpus < 1:
-        raise ConfigError(f"--gpus must be positive, got {a.gpus}")
+    if not 1 <= a.gpus <= MAX_GPUS:
+        raise ConfigError(f"--gpus must be 1 to {MAX_GPUS:,}, got {a.gpus:,} (the planner's models are measured on "
+                          f"one node; past that they are projections)")
     for name in ("gpu_mem_gib", "host_mem_gib"):
         value = getattr(a, name)
         if not (math.isfinite(value) and value > 0):
