@@ -64,3 +64,17 @@ def test_settings_errors_exit_2(data, capsys):
     code, out = _run(data, capsys, "--no_such_flag", "1")  # a trainer flag mistyped: one line, not a traceback
     assert code == 2 and out.err.startswith("error: unrecognized arguments: --no_such_flag 1")
     assert "Traceback" not in out.err
+
+
+def test_a_rows_terminal_escapes_are_shown_not_sent(data, capsys):
+    """A row's clear-screen and window-title escapes, BEL, NUL and a bidirectional override reach the terminal as
+    their codes (they were written raw, also with --color never)."""
+    rows = [{"prompt": "Hi\x1b[2J\x1b]0;owned\x07", "completion": " ok\x00\u202e."}]
+    path = write_jsonl(data["folder"] / "escapes.jsonl", rows)
+    code, out = _run(data, capsys, "--dataset", path, "--seq_len", "128")
+    assert code == 0, out.err
+    assert not any(c in out.out for c in "\x1b\x07\x00\u202e")
+    assert "\\x1b[2J\\x1b]0;owned\\x07" in out.out and "\\x00" in out.out  # (a byte tokenizer splits U+202E)
+    from ulysses_train.tools.preview import _visible
+
+    assert _visible("a\u202eb\u2066") == "a\\u202eb\\u2066" and _visible("é\n") == "é↵\n"  # whole tokens' text

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import unicodedata
 from typing import Optional
 
 import torch
@@ -41,8 +42,24 @@ def _owners(length: int, sp: int, ring: int) -> torch.Tensor:
     return owner
 
 
+# bidirectional overrides and isolates reorder what a terminal shows (the "Trojan source" characters)
+_BIDI = {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
 def _visible(text: str) -> str:
-    return text.replace("\n", "↵\n").replace("\t", "→")
+    """A token's text as it may go to a terminal: newlines and tabs marked, and every other control character (a
+    row's clear-screen or title escape, BEL, NUL) and bidirectional override written as its code, never sent raw."""
+    out = []
+    for c in text:
+        if c == "\n":
+            out.append("↵\n")
+        elif c == "\t":
+            out.append("→")
+        elif unicodedata.category(c) == "Cc" or c in _BIDI:
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return "".join(out)
 
 
 class Renderer:
