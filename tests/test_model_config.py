@@ -92,3 +92,31 @@ def test_the_widest_head_is_read_from_every_layer():
     assert widest_head_dim(gemma4) == 512
     assert widest_head_dim(AutoConfig.for_model(**PRESETS["gemma3-4b"])) == 256
     assert widest_head_dim(AutoConfig.for_model(**PRESETS["tiny"])) == 16
+
+
+class _Planted:
+    """Unpickling this would call print: a stand-in for code planted in a pickled weights file."""
+
+    def __reduce__(self):
+        return (print, ("planted code ran",))
+
+
+def test_a_pickled_weights_file_with_objects_is_refused_naming_the_file(tmp_path):
+    """torch's weights_only refusal came through with its advice to turn the protection off, and no file name:
+    now one line naming the file and what to do, exit 2, and the planted object never runs."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    AutoModelForCausalLM.from_config(load_model_config(None, "tiny")).save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**state, "planted": _Planted()}, folder / "pytorch_model.bin")
+    proc = subprocess.run([sys.executable, "launch/train.py", "--model", str(folder), "--tokenizer", "bytes",
+                           "--steps", "1", "--output_dir", str(tmp_path / "out")], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
+    assert f"{folder / 'pytorch_model.bin'} holds Python objects besides tensors" in errors[0]
+    assert "weights_only=False" not in proc.stderr and "planted code ran" not in proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 from typing import Callable, Optional
 
 import torch
@@ -213,14 +214,27 @@ def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[
     from transformers import AutoModelForCausalLM
 
     if model:
-        built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, attn_implementation=ATTN_NAME,
-                                                     **quantized_loading(quantization))
+        try:
+            built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype,
+                                                         attn_implementation=ATTN_NAME, **quantized_loading(quantization))
+        except pickle.UnpicklingError:  # torch's weights_only refusal, whose advice is to turn the protection off
+            raise ConfigError(f"--model {model}: {_pickle_files(model)} holds Python objects besides tensors, which "
+                              f"the trainer never unpickles (loading them could run any code); from a copy you "
+                              f"trust, save the weights as safetensors (save_pretrained does by default)") from None
     else:
         built = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_NAME)
     report = restore_fp32_buffers(built, dtype)
     if report.restored or report.unchecked:
         log(f"buffers: {report.describe()}")
     return built
+
+
+def _pickle_files(model: str) -> str:
+    """The pickled weight files of a model folder, for the refusal (the folder itself for a hub id)."""
+    if not os.path.isdir(model):
+        return "its pytorch_model*.bin"
+    names = sorted(f for f in os.listdir(model) if f.endswith((".bin", ".pt", ".pth")))
+    return ", ".join(os.path.join(model, f) for f in names) or model
 
 
 def quantized_loading(quantization) -> dict:
