@@ -494,6 +494,25 @@ def test_a_run_stops_at_the_save_that_does_not_fit_naming_the_previous_checkpoin
     assert "Traceback" not in proc.stderr and (out / "checkpoints" / "latest").read_text().strip() == last
 
 
+def test_a_first_save_onto_a_full_disk_says_so_in_plain_words(small_disk):
+    """The first save of a run onto a disk too small for it: torch's zip writer failed inside
+    (`[enforce fail at inline_container.cc] . unexpected pos ...`) and the message said "the previous checkpoint
+    (none) is untouched". Now: no space left, how much is free, and that the run has no checkpoint yet."""
+    import sys
+
+    from tests.trainer_runs import ROOT, TRAIN, child_env
+
+    _fill(small_disk, 3 << 20)  # 3 MiB left: a checkpoint of the tiny model takes about 7
+    out = small_disk / "run"
+    proc = subprocess.run([sys.executable, TRAIN, "--output_dir", str(out), "--steps", "1", "--seq_len", "64"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 3 and len(errors) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert errors[0].startswith("error: saving checkpoint step_00000001 failed (rank 0: no space left on device: ")
+    assert errors[0].endswith("it was this run's first, so no checkpoint of it exists yet")
+    assert "inline_container" not in proc.stderr and "(none)" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def _fill(folder, leave: int) -> None:
     """Fills the file system of `folder` up to `leave` free bytes."""
     import shutil

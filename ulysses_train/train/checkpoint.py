@@ -245,8 +245,11 @@ def _attempt(action: Callable[[], None], rank: int, only_rank0: bool = False, ro
     except OSError as e:  # full disk, permissions (its errno says which): reported by every rank together
         return f"rank {rank}: {e}"
     except Exception as e:  # noqa: BLE001 - torch's "[enforce fail at inline_container.cc] unexpected pos", ...
+        full = full_disk_note(root, need)
+        if full:  # the disk is why: torch's zip writer's own words ("unexpected pos") say nothing to a user
+            return f"rank {rank}: {full.removeprefix(' (').removesuffix(')')}"
         first = (str(e).strip().splitlines() or [""])[0]
-        return f"rank {rank}: {type(e).__name__}: {first}{full_disk_note(root, need)}"
+        return f"rank {rank}: {type(e).__name__}: {first}"
     return None
 
 
@@ -259,8 +262,9 @@ def _agree(error: Optional[str], name: str, previous: Optional[str], tmp: str, r
     if errors:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {name} failed ({'; '.join(errors)}); the previous checkpoint "
-                              f"{previous or '(none)'} is untouched")
+        kept = (f"the previous checkpoint {previous} is untouched" if previous else
+                "it was this run's first, so no checkpoint of it exists yet")
+        raise CheckpointError(f"saving checkpoint {name} failed ({'; '.join(errors)}); {kept}")
 
 
 class _RecordedWrites:
