@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..paths import local_or_hub
+from .content import dataset_digest
 from .token_store import TokenStore, build_token_store, cache_settings, store_key, tokenizer_identity  # noqa: F401
 
 _EXT_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -115,7 +116,10 @@ def load_corpus(spec: str, split: str = "train", streaming: bool = False):
     try:
         if os.path.exists(spec):
             builder, kwargs = _local_builder(spec)
-            return datasets.load_dataset(builder, split=split, streaming=streaming, **kwargs)
+            # datasets keys its Arrow cache by the files' sizes and times: the content digest in the config's name
+            # makes an edit that kept both a new cache, not the old rows (data/content.py)
+            return datasets.load_dataset(builder, split=split, streaming=streaming,
+                                         name=f"content-{dataset_digest(spec)[:16]}", **kwargs)
         local_or_hub("dataset", spec)
         return datasets.load_dataset(spec, split=split, streaming=streaming)
     except ValueError as e:  # datasets' words: 'Unknown split "x". Should be one of [...]'

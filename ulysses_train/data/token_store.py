@@ -9,7 +9,7 @@ writes the end of each turn) and the trained mask beside the tokens; their key a
 template's text and --loss_on.
 
 The key (`cache_settings`) covers the data (the tokenized dataset's fingerprint, and the local files' sizes and
-times), the split, the text column, --max_tokens, and the tokenizer's identity (its whole serialised vocabulary,
+the digests of their bytes), the split, the text column, --max_tokens, and the tokenizer's identity (its whole serialised vocabulary,
 normaliser and pre-tokeniser where it has them, else its vocabulary and settings), so a run never reads tokens that
 another setting produced. A store is built in a private temporary folder and published by one atomic rename, so
 runs that build the same store at the same time cannot interleave their files: the first rename wins and the
@@ -32,7 +32,9 @@ from typing import Optional
 
 import numpy as np
 
-CACHE_FORMAT = 2  # bump when the files or what goes into the key change
+from .content import file_digests, local_files
+
+CACHE_FORMAT = 3  # bump when the files or what goes into the key change
 _TMP = ".tmp"
 
 
@@ -70,13 +72,13 @@ def tokenizer_identity(tokenizer) -> str:
 
 
 def source_identity(dataset: str) -> list:
-    """The local files behind --dataset with their sizes and modification times (a hub id is itself)."""
+    """The local files behind --dataset with their sizes and the digests of their bytes (data/content.py: a size and
+    a modification time do not tell an edit that kept both); a hub id is itself."""
     if not os.path.exists(dataset):
         return [dataset]
-    paths = [dataset] if os.path.isfile(dataset) else sorted(
-        os.path.join(root, name) for root, _, names in os.walk(dataset) for name in names)
-    return [os.path.abspath(dataset)] + [[os.path.relpath(p, dataset), os.stat(p).st_size, os.stat(p).st_mtime_ns]
-                                         for p in paths]
+    digests = file_digests(local_files(dataset))
+    return [os.path.abspath(dataset)] + [[os.path.relpath(p, dataset), os.stat(p).st_size, digest]
+                                         for p, digest in digests.items()]
 
 
 def cache_settings(fingerprint: str, tokenizer, dataset: str, split: str, text_column: str,

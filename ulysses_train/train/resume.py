@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..data.content import dataset_content
 from ..errors import CheckpointError, ConfigError
 from .checkpoint import read_trainer_state, resolve_resume, safe_loading
 from .config import FREE_SETTINGS, SHAPE_SETTINGS, TrainConfig
@@ -67,7 +68,14 @@ def training_settings(cfg: TrainConfig, resolved: dict) -> dict:
     return settings | resolved
 
 
-CONTENT_SETTINGS = ("ds_config", "model_config")  # compared by their files' content, named by their paths
+CONTENT_SETTINGS = ("ds_config", "model_config", "dataset")  # compared by their files' content, named by their paths
+
+
+def dataset_setting(dataset) -> dict:
+    """--dataset as the resume check compares it: a local dataset by the digests of its files' bytes (an edit that
+    kept the size and the modification time is a change: data/content.py), a hub id by its name."""
+    content = dataset_content(dataset)
+    return {"dataset": {"path": dataset, "content": content}} if content else {}
 
 
 def _show(name: str, value, config: dict) -> str:
@@ -84,9 +92,10 @@ def _describe(name: str, old, new, old_config: dict, new_config: dict) -> str:
 
 
 def _same(name: str, old, new, new_config: dict) -> bool:
-    """A checkpoint saved before model_config was compared by content holds its path: compared as a path."""
-    if name == "model_config" and isinstance(old, (str, type(None))) and isinstance(new, dict):
-        return old == new_config.get("model_config")
+    """A checkpoint saved before model_config or dataset was compared by content holds its path (or paths): compared
+    as a path."""
+    if name in ("model_config", "dataset") and not isinstance(old, dict) and isinstance(new, dict):
+        return old == new_config.get(name)
     return old == new
 
 

@@ -45,7 +45,8 @@ from ..sp.support import check_support, describe_layers
 from .checkpoint import load_checkpoint, newest_complete, save_checkpoint
 from .disk_space import checkpoint_bytes, estimated_checkpoint_bytes, saved_parameters, too_little_space
 from .config import TrainConfig, ring_size_number, write_resolved_config
-from .resume import apply_optimizer_settings, apply_schedule, check_trained_shapes, plan_run, training_settings
+from .resume import (apply_optimizer_settings, apply_schedule, check_trained_shapes, dataset_setting, plan_run,
+                     training_settings)
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
@@ -254,7 +255,7 @@ class Trainer:
             "lr": self.lr, "micro_batch_size": self.micro, "grad_accum": self.accum,
             "max_grad_norm": self.ds["gradient_clipping"], "dtype": "bf16" if use_bf16 else "fp32",
             "ds_config": raw_ds, "model_config": model_config_values(self.cfg.base.model_config)
-            if self.cfg.base.model_config else None})
+            if self.cfg.base.model_config else None, **dataset_setting(self.cfg.data.dataset)})
 
     def _steps_of_epochs(self, dp_size: int) -> int:
         """--epochs passes over the training samples, in optimizer steps (the last one may be partial)."""
