@@ -7,13 +7,14 @@ count, head size, window and vocabulary. MoE families keep their expert width an
 the real count would not fit two runs on one GPU (said per case): the count changes no kernel's shape.
 
 Two checks per family, both with every lever at its default (the attention kernel `auto`: FlashAttention-4 where
-it is installed; the fused kernels; kept attention; Liger's loss):
+it is installed and takes the model's heads, else SDPA; the fused kernels; kept attention; Liger's loss):
 - `test_family_trains_two_steps_with_the_defaults`: two optimizer steps at 8,192 tokens, finite losses and norms;
 - `test_family_verifies_in_bf16_with_the_defaults`: `--verify` in bf16 against plain transformers on the same
   weights and tokens, at 4,096 tokens, passes (docs/verify.md says what it holds the run to).
 
 This is the test that would have caught OLMo 3's crash with the defaults (its fused rotary returned fp32 q and k
-beside a bf16 v): the CPU suite runs each family in fp32 or without the GPU's kernels.
+beside a bf16 v) and Gemma 4's (global heads of 512, wider than FA4 takes): the CPU suite ran the families in fp32
+and without the GPU's kernels (tests/test_fused_kernels.py now runs them in bf16 too).
 """
 
 import json
