@@ -263,3 +263,13 @@ def test_the_export_of_a_random_init_lora_run_needs_its_base(tmp_path, capsys):
         assert "trained on a random initialisation (no --model)" in capsys.readouterr().err
         assert not (tmp_path / "exported").exists()
     assert json.loads((out / "checkpoints" / "step_00000001" / "adapter_config.json").read_text())["r"] == 16
+
+
+def test_the_adapters_modules_in_another_order_are_the_same_on_resume():
+    """--lora_target_modules q_proj,v_proj then v_proj,q_proj adapts the same layers: no change, nothing refused;
+    another module is still a change. A regular expression stays one string."""
+    old = ["--use_peft", "--lora_target_modules", "q_proj,v_proj", "--lora_modules_to_save", "norm,lm_head"]
+    assert _settings_check(old, ["--use_peft", "--lora_target_modules", "v_proj, q_proj",
+                                 "--lora_modules_to_save", "lm_head,norm"]) is None
+    assert "lora_target_modules" in _settings_check(old, ["--use_peft", "--lora_target_modules", "q_proj,k_proj",
+                                                          "--lora_modules_to_save", "norm,lm_head"])

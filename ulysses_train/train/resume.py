@@ -96,7 +96,12 @@ def _same(name: str, old, new, new_config: dict) -> bool:
     as a path."""
     if name in ("model_config", "dataset") and not isinstance(old, dict) and isinstance(new, dict):
         return old == new_config.get(name)
+    if name in MODULE_LISTS and isinstance(old, str) and isinstance(new, str):  # the same modules in another order
+        return sorted(v.strip() for v in old.split(",")) == sorted(v.strip() for v in new.split(","))
     return old == new
+
+
+MODULE_LISTS = ("lora_target_modules", "lora_modules_to_save")  # comma-separated names: a set, not a sequence
 
 
 def compare_settings(state: dict, cfg: TrainConfig, settings: dict, checkpoint: str) -> tuple[dict, list[str]]:
