@@ -183,18 +183,16 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
         raw = _json_object(os.path.join(model, "config.json"))
     elif name in PRESETS:
         config = AutoConfig.for_model(**PRESETS[name])
-    elif os.path.isfile(name):
-        values = model_config_values(name)  # a readable JSON object, or a message saying what it holds instead
-        if "model_type" not in values:
+    elif os.path.isfile(name) or os.path.isfile(os.path.join(name, "config.json")):
+        raw = model_config_values(name)  # a readable JSON object, or a message saying what it holds instead
+        if "model_type" not in raw:
             raise ConfigError(f"--model_config {name}: the config has no model_type")
         config = _loaded_config(name, "model_config")
-        raw = values
     else:
         if not os.path.isdir(name) and not looks_like_hub_id(name):
             raise ConfigError(f"--model_config {name}: not a preset ({', '.join(PRESETS)}), a config.json, a model "
                               f"folder nor a hub id")
-        config = _loaded_config(name, "model_config")
-        raw = _json_object(os.path.join(name, "config.json"))
+        config = _loaded_config(name, "model_config")  # a hub id (or a folder without a config.json: its message)
     check_model_config(config, f"--{flag} {name}", raw)
     if num_layers is not None:
         depth = config.num_hidden_layers

@@ -29,7 +29,7 @@ import torch
 from ..errors import ConfigError
 from ..model.adapters import ADAPTER_CONFIG
 from ..model.peft_files import peft_model, write_adapter_folder
-from ..train.checkpoint import COMPLETE, CheckpointError, resolve_resume, safe_loading
+from ..train.checkpoint import COMPLETE, CheckpointError, consolidated_state, resolve_resume
 from ..train.manifest import verify_checkpoint
 
 
@@ -42,7 +42,6 @@ def export(checkpoint: str, out: str, dtype: str = "auto", merge: bool = False, 
     """The checkpoint as a model (or adapter) folder at `out`, written into a temporary folder beside it and renamed
     into place: a failed export leaves `out` as it was. A folder that holds anything is replaced only with
     `overwrite`."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig
 
     _check_out(out, overwrite)
@@ -51,9 +50,7 @@ def export(checkpoint: str, out: str, dtype: str = "auto", merge: bool = False, 
     if not os.path.exists(os.path.join(checkpoint, COMPLETE)):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (nor an output_dir that holds one)")
     verify_checkpoint(checkpoint)
-    with safe_loading():
-        state = get_fp32_state_dict_from_zero_checkpoint(checkpoint, tag="ds")
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state = consolidated_state(checkpoint)
     config = AutoConfig.from_pretrained(os.path.join(checkpoint, "model"))
     adapters = os.path.exists(os.path.join(checkpoint, "model", ADAPTER_CONFIG))
     if not adapters and (merge or base_model):

@@ -327,16 +327,22 @@ def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config,
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
 
 
-def write_peft_folder(folder: str) -> None:
-    """PEFT's adapter files at the top of a --use_peft checkpoint (model/peft_files.py), from its consolidated fp32
-    shards, so that `PeftModel.from_pretrained(base, <checkpoint>)` and vLLM's LoRA loader take the folder as it is."""
+def consolidated_state(folder: str) -> dict:
+    """{parameter name: fp32 value} of a checkpoint's ZeRO shards, consolidated on the CPU (DeepSpeed's
+    zero_to_fp32, loaded with weights_only), the `model.` prefix of the trainer's wrapper dropped."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from ..model.peft_files import write_adapter_folder
 
     with safe_loading():
         state = get_fp32_state_dict_from_zero_checkpoint(folder, tag="ds")
-    write_adapter_folder(folder, folder, {k.removeprefix("model."): v for k, v in state.items()})
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def write_peft_folder(folder: str) -> None:
+    """PEFT's adapter files at the top of a --use_peft checkpoint (model/peft_files.py), from its consolidated fp32
+    shards, so that `PeftModel.from_pretrained(base, <checkpoint>)` and vLLM's LoRA loader take the folder as it is."""
+    from ..model.peft_files import write_adapter_folder
+
+    write_adapter_folder(folder, folder, consolidated_state(folder))
 
 
 def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, model_config, tokenizer,
