@@ -322,7 +322,7 @@ def test_fused_kernels_train_as_transformers_ops(tmp_path):
     the kernels one by one on this GPU."""
     fused_log, fused = _train_on_cuda(tmp_path / "fused", "--offload_activations")
     plain_log, plain = _train_on_cuda(tmp_path / "plain", "--offload_activations", "--fused_kernels", "off")
-    found = re.search(r"fused kernels: (\d+) norms, (\d+) rotary, (\d+) SwiGLU", fused_log)
+    found = re.search(r"fused kernels: (\d+) norms, (\d+) rotary, (\d+) gated MLP", fused_log)
     norms, rotary, mlps = map(int, found.groups())
     assert rotary > 0 and norms == 4 * rotary + 1 and mlps == rotary  # Qwen3: 4 norms per layer and the final one
     assert "fused kernels: off" in plain_log

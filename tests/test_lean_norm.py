@@ -57,8 +57,11 @@ def test_saves_four_bytes_less_per_element_in_bf16():
     assert saved["reference"] - saved["lean"] >= elements * 4  # the fp32 copy of the input is gone
 
 
-def test_swaps_llama_style_norms_only():
+def test_swaps_the_norms_of_each_rule_and_leaves_the_others():
+    """Llama's norms (Qwen3) and Gemma's zero-centred ones are swapped, each computing its own arithmetic bit for bit
+    in the forward (bf16); a norm of an arithmetic no rule has is left alone."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
     layers = model.config.num_hidden_layers
@@ -67,4 +70,15 @@ def test_swaps_llama_style_norms_only():
     gemma = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "gemma", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16))
-    assert install_lean_norms(gemma) == 0  # Gemma's norm is (1 + weight) x: not ours to replace
+    assert install_lean_norms(gemma) == 3  # (1 + weight) x in fp32: the zero-centred rule
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    reference, lean = GemmaRMSNorm(32).bfloat16(), GemmaRMSNorm(32).bfloat16()
+    with torch.no_grad():
+        reference.weight.normal_(generator=torch.Generator().manual_seed(1))
+    lean.load_state_dict(reference.state_dict())
+    assert install_lean_norms(lean) == 1 and torch.equal(lean(x), reference(x))
+
+    class TwicePlusOne(GemmaRMSNorm):
+        def forward(self, x):
+            return (self._norm(x.float()) * (2.0 + self.weight.float())).type_as(x)
+    assert install_lean_norms(TwicePlusOne(32)) == 0

@@ -16,22 +16,26 @@ DEVICE = torch.device("cpu")
 LAYERS = 2  # tests/models.py
 # (patch -> modules) with every lever on: norms are 2 per layer and the final one, plus q and k norms in Qwen3
 EXPECTED = {
-    "qwen3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
-    "llama": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
-    "mistral": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
-    "qwen2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
-    "qwen3_moe": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "SwiGLU": 0, "tiled MLP": 0},
-    # beyond full attention (tests/models.py FRONTIER): Gemma's `1 + weight` norms and GELU-gated MLPs, OLMo 3's and
-    # GPT-OSS's and Llama 4's norms, and the rotary of Gemma 4, GPT-OSS and Llama 4 compute something else, so
-    # transformers' ops stay; the MoE families have no dense MLP to tile (Llama 4's dense layers are `feed_forward`)
-    "gemma2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 2, "SwiGLU": 0, "tiled MLP": 2},
-    "gemma3_text": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 2, "SwiGLU": 0, "tiled MLP": 2},
-    "gemma4_text": {"checkpointing": 4, "loss head": 1, "RMSNorm": 0, "rotary": 0, "SwiGLU": 0, "tiled MLP": 4},
-    "olmo3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
-    "mistral_window": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
-    "gpt_oss": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 0, "SwiGLU": 0, "tiled MLP": 0},
-    "llama4_text": {"checkpointing": 2, "loss head": 1, "RMSNorm": 0, "rotary": 0, "SwiGLU": 0, "tiled MLP": 0},
-    "smollm3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "SwiGLU": 2, "tiled MLP": 2},
+    "qwen3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "llama": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "mistral": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "qwen2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "qwen3_moe": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "gated MLP": 0, "tiled MLP": 0},
+    # beyond full attention (tests/models.py FRONTIER, LINEAR): Gemma's and Qwen3.5's `1 + weight` norms and OLMo 3's,
+    # GPT-OSS's and Gemma 4's fp32 products are norm rules of their own (levers/lean_norm.py), Gemma's GELU-gated
+    # MLPs a gated activation of the kernel; Gemma 4's two unscaled norms (no weight) and the rotary of Gemma 4,
+    # GPT-OSS and Llama 4 compute something else, so transformers' ops stay; the MoE families have no dense MLP to
+    # tile (Llama 4's dense layers are `feed_forward`)
+    "gemma2": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "gemma3_text": {"checkpointing": 2, "loss head": 1, "RMSNorm": 13, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "gemma4_text": {"checkpointing": 4, "loss head": 1, "RMSNorm": 28, "rotary": 0, "gated MLP": 4, "tiled MLP": 4},
+    "olmo3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 9, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "qwen3_5_text": {"checkpointing": 4, "loss head": 1, "RMSNorm": 11, "rotary": 1, "gated MLP": 4, "tiled MLP": 4},
+    "qwen3_next": {"checkpointing": 4, "loss head": 1, "RMSNorm": 11, "rotary": 1, "gated MLP": 0, "tiled MLP": 0},
+    "mistral_window": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
+    "gpt_oss": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 0, "gated MLP": 0, "tiled MLP": 0},
+    "llama4_text": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 0, "gated MLP": 0, "tiled MLP": 0},
+    "smollm3": {"checkpointing": 2, "loss head": 1, "RMSNorm": 5, "rotary": 2, "gated MLP": 2, "tiled MLP": 2},
 }
 ALL_ON = Levers(keep_attention=True, tiled_mlp=True, lean_norm=True, fused_kernels=True)
 
@@ -67,14 +71,15 @@ def test_every_patch_takes_the_modules_it_declares(family):
 
 
 def test_a_norm_that_stops_matching_is_an_error_when_asked_for_and_off_under_auto(monkeypatch):
-    """As if transformers changed Qwen3's RMSNorm to Gemma's `(1 + weight)`: nothing matches any more."""
+    """As if transformers changed Qwen3's RMSNorm to an arithmetic no norm rule has (an offset of 2): nothing matches
+    any more."""
     from transformers.models.qwen3 import modeling_qwen3
 
-    def gemma_like(self, x):
+    def unknown(self, x):
         x32 = x.float()
-        return ((1 + self.weight.float()) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return ((2 + self.weight.float()) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", gemma_like)
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", unknown)
     lean_only = Levers(keep_attention=False, fused_kernels=False)
     with pytest.raises(ConfigError, match="--lean_norm: no module of this Qwen3ForCausalLM matched"):
         _apply(_model("qwen3"), lean_only, LeverRequest(lean_norm="on", fused_kernels="off"))

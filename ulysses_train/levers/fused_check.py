@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .fused_kernels import RotaryFunction, SiLUMulFunction, rms_norm
+from .fused_kernels import GatedMulFunction, RotaryFunction, rms_norm
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -19,10 +19,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _check_cases(device: torch.device, dtype: torch.dtype):
     """(name, fused op, the PyTorch ops it replaces, leaves) on small random inputs that cover the kernels' edges:
-    two row blocks of a norm, strided q with fewer rows than heads x dims, a partly masked SwiGLU block."""
+    two row blocks of a norm (Llama's and zero-centred), strided q with fewer rows than heads x dims, a partly masked
+    gated-MLP block (silu and tanh GELU)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from .lean_norm import _RMSNormFunction
+    from .lean_norm import ZERO_CENTRED, _RMSNormFunction
 
     g = torch.Generator().manual_seed(0)
 
@@ -33,10 +34,14 @@ def _check_cases(device: torch.device, dtype: torch.dtype):
     angles = torch.rand(1, 24, 8, generator=g) * 24
     cos, sin = (f(torch.cat([angles, angles], -1)).to(device, dtype) for f in (torch.cos, torch.sin))
     return [("rms_norm", lambda: rms_norm(x, w, 1e-6), lambda: _RMSNormFunction.apply(x, w, 1e-6), (x, w)),
+            ("rms_norm (1 + weight)", lambda: rms_norm(x, w, 1e-6, ZERO_CENTRED),
+             lambda: _RMSNormFunction.apply(x, w, 1e-6, ZERO_CENTRED), (x, w)),
             ("rotary", lambda: RotaryFunction.apply(q.transpose(1, 2), cos, sin),
              lambda: apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0], (q,)),
-            ("silu_mul", lambda: SiLUMulFunction.apply(gate, up), lambda: torch.nn.functional.silu(gate) * up,
-             (gate, up))]
+            ("silu_mul", lambda: GatedMulFunction.apply(gate, up), lambda: torch.nn.functional.silu(gate) * up,
+             (gate, up)),
+            ("gelu_tanh_mul", lambda: GatedMulFunction.apply(gate, up, "gelu_tanh"),
+             lambda: torch.nn.functional.gelu(gate, approximate="tanh") * up, (gate, up))]
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> Optional[str]:

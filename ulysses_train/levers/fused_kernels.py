@@ -8,19 +8,20 @@ docs/benchmarks.md, "Our fused kernels against the ops they replace"), most of t
   because a per-row or per-column factor is broadcast;
 - the rotary embedding, which runs `x * cos + cat(-x2, x1) * sin` as five kernels on the transposed (strided)
   q and k, each of them non-vectorised;
-- the SwiGLU product silu(gate) * up, two kernels forward and three backward over seq x intermediate values.
+- the gated MLP's product act(gate) * up, two kernels forward and three backward over seq x intermediate values.
 
 Each layer runs them three times (forward, recomputed forward, backward). Here each is one kernel per tensor and
 direction that reads its input once and writes its output once:
 
-- `rms_norm`: the lean RMSNorm of lean_norm.py (same forward arithmetic as transformers' Llama RMSNorm: upcast,
-  inverse RMS, downcast, times the weight; it saves the input in its own dtype and one fp32 number per row), with
+- `rms_norm`: the lean RMSNorm of lean_norm.py in each of its rules (the forward arithmetic of transformers' Llama,
+  T5 and zero-centred RMSNorms; it saves the input in its own dtype and one fp32 number per row), with
   head-sized rows (q/k norms) batched many per program and the weight's gradient summed per program in registers.
 - `RotaryFunction`: rotary embedding on q or k in whatever layout they come in (the (b, h, s, d) view of the
   projection's (b, s, h, d) memory), writing the output in that same layout, so the attention's transpose back to
   (b, s, h, d) is free. The backward is the same kernel with the rotation reversed; only cos and sin are saved.
-- `SiLUMulFunction`: the SwiGLU MLP's silu(gate) * up in one pass each way, saving gate and up (autograd's version
-  also saves silu(gate): one seq x intermediate tensor less in the recomputed layer).
+- `GatedMulFunction`: the gated MLP's act(gate) * up (SwiGLU's silu, Gemma's tanh GELU) in one pass each way,
+  saving gate and up (autograd's version also saves act(gate): one seq x intermediate tensor less in the recomputed
+  layer).
 
 Liger-Kernel ships similar kernels (benchmarks/kernel_bench.py; the comparison is in docs/benchmarks.md, "Kernels:
 ours against Liger-Kernel and eager PyTorch"): Liger's rotary rounds each product to the bf16 of cos and sin, where
@@ -39,6 +40,8 @@ import types
 from typing import Optional
 
 import torch
+
+from .lean_norm import LLAMA, NormRule
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,37 +72,45 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_forward(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def rms_forward(X, W, Y, RSTD, M, N, sx, eps, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROUND_FIRST: tl.constexpr):
+        # X: rows `sx` apart (a strided view: Qwen3.5's q between its gates); Y: dense
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows.to(tl.int64)[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,)
-        # transformers: weight * (x * rstd).to(input dtype), the product rounded to the output dtype
-        normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(Y + offsets, (w[None, :] * normed).to(Y.dtype.element_ty), mask=mask)
+        if ROUND_FIRST:  # Llama: weight * (x * rstd).to(input dtype), the product rounded to the output dtype
+            normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+            y = w[None, :] * normed
+        else:  # T5, zero-centred: ((weight + offset) * x * rstd) in fp32, rounded once
+            y = (x * rstd[:, None]) * (w + offset)[None, :]
+        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rows < M)
 
     @triton.jit
-    def rms_backward(DY, X, W, RSTD, DX, DW, M, N, rows_per_program,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def rms_backward(DY, X, W, RSTD, DX, DW, M, N, sx, rows_per_program, offset,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
         # each program walks its own run of rows and keeps its share of the weight's gradient in registers
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = program * rows_per_program
         for start in range(0, rows_per_program, BLOCK_M):
             rows = first + start + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & (cols < N)[None, :]
             offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + rows.to(tl.int64)[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
             normed = x * rstd[:, None]
-            dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            if ROUND_FIRST:
+                dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            else:
+                dw += tl.sum(dy * normed, axis=0)
             g = dy * w[None, :]  # the gradient reaching the fp32 normalised values
             dx = rstd[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / N)[:, None])
             tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
@@ -132,22 +143,30 @@ def _kernels():
         tl.store(y + HALF * syd, y2.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def silu_mul(G, U, DH, OUT, DU, n, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+    def gated_mul(G, U, DH, OUT, DU, n, BLOCK: tl.constexpr, BACKWARD: tl.constexpr, GELU: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + offsets, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        act = (g * sig).to(G.dtype.element_ty).to(tl.float32)  # transformers rounds act(g) before the product
+        if GELU:  # the tanh approximation: 0.5 g (1 + tanh(c (g + 0.044715 g^3))), tanh(z) = 2 sigmoid(2z) - 1
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+            act32 = 0.5 * g * (1.0 + t)
+            slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        else:  # silu
+            sig = tl.sigmoid(g)
+            act32 = g * sig
+            slope = sig * (1 + g * (1 - sig))
+        act = act32.to(G.dtype.element_ty).to(tl.float32)  # transformers rounds act(g) before the product
         if BACKWARD:  # OUT: the gate's gradient, DU: the up projection's
             dh = tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(OUT + offsets, (dh * u * sig * (1 + g * (1 - sig))).to(OUT.dtype.element_ty), mask=mask)
+            tl.store(OUT + offsets, (dh * u * slope).to(OUT.dtype.element_ty), mask=mask)
             tl.store(DU + offsets, (dh * act).to(DU.dtype.element_ty), mask=mask)
         else:
             tl.store(OUT + offsets, (act * u).to(OUT.dtype.element_ty), mask=mask)
 
     return types.SimpleNamespace(rms_forward=rms_forward, rms_backward=rms_backward, rotary=rotary,
-                                 silu_mul=silu_mul)
+                                 gated_mul=gated_mul)
 
 
 def _next_pow2(n: int) -> int:
@@ -169,20 +188,25 @@ def _programs_for(device: torch.device) -> int:
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) over the last dimension; saves x and one fp32 per row."""
+    """An RMSNorm over the last dimension by `rule` (lean_norm.NormRule: Llama's, T5's or zero-centred); saves x and
+    one fp32 number per row."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, rule: NormRule = LLAMA) -> torch.Tensor:
         n = x.shape[-1]
-        rows = x.reshape(-1, n)  # a view for the contiguous inputs a decoder layer gives
-        out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+        rows = x.reshape(-1, n)  # a view for the inputs a decoder layer gives, maybe with rows apart
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out_dtype = torch.result_type(weight, x) if rule.round_first else x.dtype
+        out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         block_m, block_n, warps = _row_blocks(n)
         grid = (triton_cdiv(rows.shape[0], block_m),)
-        _kernels().rms_forward[grid](rows, weight, out, rstd, rows.shape[0], n, eps,
-                                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _kernels().rms_forward[grid](rows, weight, out, rstd, rows.shape[0], n, rows.stride(0), eps, rule.offset,
+                                     BLOCK_M=block_m, BLOCK_N=block_n, ROUND_FIRST=rule.round_first,
+                                     num_warps=warps)
         ctx.save_for_backward(rows, weight, rstd)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.rule = x.shape, rule
         return out.view(*x.shape[:-1], n)
 
     @staticmethod
@@ -190,21 +214,23 @@ class RMSNormFunction(torch.autograd.Function):
         rows, weight, rstd = ctx.saved_tensors
         m, n = rows.shape
         dy = grad_out.reshape(m, n).contiguous()
-        dx = torch.empty_like(rows)
+        dx = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
         block_m, block_n, warps = _row_blocks(n)
         blocks = triton_cdiv(m, block_m)
         programs = min(blocks, _programs_for(rows.device))
         rows_per_program = triton_cdiv(blocks, programs) * block_m
         programs = triton_cdiv(m, rows_per_program)
         dw = torch.empty(programs, n, dtype=torch.float32, device=rows.device)
-        _kernels().rms_backward[(programs,)](dy, rows, weight, rstd, dx, dw, m, n, rows_per_program,
-                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _kernels().rms_backward[(programs,)](dy, rows, weight, rstd, dx, dw, m, n, rows.stride(0), rows_per_program,
+                                             ctx.rule.offset,
+                                             BLOCK_M=block_m, BLOCK_N=block_n, ROUND_FIRST=ctx.rule.round_first,
+                                             num_warps=warps)
         grad_weight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(ctx.x_shape), grad_weight, None
+        return dx.view(ctx.x_shape), grad_weight, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return RMSNormFunction.apply(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: NormRule = LLAMA) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps, rule)
 
 
 def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype, reverse: bool):
@@ -247,30 +273,38 @@ def rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
                for t in (q, k)) and cos.shape[0] in (1, q.shape[0])
 
 
-class SiLUMulFunction(torch.autograd.Function):
-    """silu(gate) * up, the SwiGLU MLP's product, saving gate and up only (autograd saves silu(gate) too)."""
+class GatedMulFunction(torch.autograd.Function):
+    """act(gate) * up, a gated MLP's product (SwiGLU: act = silu; GeGLU: act = GELU's tanh approximation, Gemma's),
+    saving gate and up only (autograd's version also saves act(gate))."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        _launch_silu_mul(gate, up, None, out, None)
+        _launch_gated_mul(gate, up, None, out, None, act)
         ctx.save_for_backward(gate, up)
+        ctx.act = act
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        _launch_silu_mul(gate, up, grad_out.contiguous(), grad_gate, grad_up)
-        return grad_gate, grad_up
+        _launch_gated_mul(gate, up, grad_out.contiguous(), grad_gate, grad_up, ctx.act)
+        return grad_gate, grad_up, None
 
 
-def _launch_silu_mul(gate, up, grad_out, out, grad_up):
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # what the kernel computes for act
+
+
+def _launch_gated_mul(gate, up, grad_out, out, grad_up, act: str):
+    if act not in GATED_ACTIVATIONS:
+        raise ValueError(f"gated_mul computes {GATED_ACTIVATIONS}, not {act!r}")
     n, block = gate.numel(), 2048
-    _kernels().silu_mul[(triton_cdiv(n, block),)](gate, up, grad_out if grad_out is not None else gate, out,
-                                                  grad_up if grad_up is not None else out, n, BLOCK=block,
-                                                  BACKWARD=grad_out is not None, num_warps=8)
+    _kernels().gated_mul[(triton_cdiv(n, block),)](gate, up, grad_out if grad_out is not None else gate, out,
+                                                   grad_up if grad_up is not None else out, n, BLOCK=block,
+                                                   BACKWARD=grad_out is not None, GELU=act == "gelu_tanh",
+                                                   num_warps=8)
 
 
 def triton_cdiv(a: int, b: int) -> int:

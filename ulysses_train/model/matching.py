@@ -2,9 +2,10 @@
 
 A lever replaces a module's forward only where the original computes exactly the function the replacement
 computes: a probe runs the original (the class's own `forward` on stand-in weights, or the modeling file's own
-function) and the reference formula on the same small random input, and they must agree bit for bit in fp32. So a
-transformers release that rewrites a norm without changing it still matches, while a variant (Gemma's `1 + weight`
-norm, GLM's interleaved rotary, a GELU MLP) does not, and keeps its own ops. The probes run on the CPU on tiny
+function) and the reference formulas on the same small random input, and they must agree bit for bit in fp32. So a
+transformers release that rewrites a norm without changing it still matches (and which of the norm arithmetics or
+gated activations it computes is what the lever then runs), while a variant none of them covers (Gemma 4's
+`pow(-0.5)` norm, GLM's interleaved rotary, an ungated MLP) does not, and keeps its own ops. The probes run on the CPU on tiny
 tensors, once per forward (or function).
 
 Why probes rather than transformers' extension point: transformers marks these layers for replacement through hub
@@ -30,42 +31,59 @@ def _probe_generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def computes_llama_rms_norm(cls: type) -> bool:
-    """`cls.forward` is transformers' Llama RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), computed in fp32
-    from the input, the product rounded as the input (checked in fp32 and bf16)."""
-    return _norm_forward_matches(cls.forward)
+def rms_norm_rule(cls: type):
+    """The lean_norm.NormRule whose arithmetic `cls.forward` computes (Llama's, T5's or zero-centred, checked bit for
+    bit in fp32 and bf16 with the epsilon under either of transformers' names), or None."""
+    return _norm_rule_of(cls, cls.forward)
+
+
+def _norm_stand_in(cls: type, weight: torch.Tensor) -> torch.nn.Module:
+    """An instance of `cls` without its __init__, holding `weight` and an epsilon under both of transformers' names,
+    so a forward that calls its class's helpers (Gemma's `self._norm`) runs."""
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    module.weight, module.variance_epsilon, module.eps, module.with_scale = weight, 1e-6, 1e-6, True
+    return module
 
 
 @functools.lru_cache(maxsize=None)
-def _norm_forward_matches(forward: Callable) -> bool:
-    from ..levers.lean_norm import _RMSNormFunction
+def _norm_rule_of(cls: type, forward: Callable):
+    from ..levers.lean_norm import RULES, reference_norm
 
     g = _probe_generator()
+    cases = []
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(3, 5, 16, generator=g).to(dtype), torch.randn(16, generator=g).to(dtype)
         try:
-            got = forward(SimpleNamespace(weight=w, variance_epsilon=1e-6), x)
+            got = forward(_norm_stand_in(cls, w), x)
         except Exception:  # it needs more than a weight and an epsilon
-            return False
-        if not isinstance(got, torch.Tensor) or not torch.equal(got, _RMSNormFunction.apply(x, w, 1e-6)):
-            return False
-    return True
+            return None
+        if not isinstance(got, torch.Tensor):
+            return None
+        cases.append((x, w, got))
+    for rule in RULES:
+        if all(got.dtype == (want := reference_norm(x, w, 1e-6, rule)).dtype and torch.equal(got, want)
+               for x, w, got in cases):
+            return rule
+    return None
 
 
-def computes_swiglu(cls: type, act: Optional[torch.nn.Module]) -> bool:
-    """`cls.forward`, with its activation `act`, is down(silu(gate(x)) * up(x))."""
+def gated_mlp_activation(cls: type, act: Optional[torch.nn.Module]) -> Optional[str]:
+    """Which activation of fused_kernels.GATED_ACTIVATIONS `cls.forward`, with its activation module `act`, computes
+    as down(act(gate(x)) * up(x)): "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU), or None."""
     if act is None:
-        return False
+        return None
     key = (type(act), repr(act))  # activations of one type and repr compute the same function
     _ACTIVATIONS.setdefault(key, copy.deepcopy(act))
-    return _mlp_forward_matches(cls.forward, key)
+    return _mlp_activation_of(cls.forward, key)
 
 
 _ACTIVATIONS: dict[tuple, torch.nn.Module] = {}
+_GATED = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 @functools.lru_cache(maxsize=None)
-def _mlp_forward_matches(forward: Callable, act_key: tuple) -> bool:
+def _mlp_activation_of(forward: Callable, act_key: tuple) -> Optional[str]:
     act = _ACTIVATIONS[act_key]
     g = _probe_generator()  # the probe's own generator: the run's random stream stays as --seed left it
 
@@ -81,10 +99,12 @@ def _mlp_forward_matches(forward: Callable, act_key: tuple) -> bool:
     try:
         with torch.no_grad():
             got = forward(SimpleNamespace(gate_proj=gate, up_proj=up, down_proj=down, act_fn=act), x)
-            want = down(F.silu(gate(x)) * up(x))
     except Exception:
-        return False
-    return isinstance(got, torch.Tensor) and torch.equal(got, want)
+        return None
+    if not isinstance(got, torch.Tensor):
+        return None
+    with torch.no_grad():
+        return next((name for name, fn in _GATED.items() if torch.equal(got, down(fn(gate(x)) * up(x)))), None)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

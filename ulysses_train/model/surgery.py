@@ -5,9 +5,9 @@ modules it expects to patch, and the lever and flag that ask for it.
 |---|---|---|
 | loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying (a LoRA'd head: the base layer's, and the forward of PEFT's layer around it by `lora_head_forward`) | the output embedding |
 | checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours (`--checkpoint_layers N`: the layers after the first N are not checkpointed) | every decoder layer |
-| RMSNorm | the forward of each norm computing Llama's RMSNorm, by the lean (or fused) one | every `*RMSNorm` module |
+| RMSNorm | the forward of each norm computing Llama's, T5's or the zero-centred RMSNorm, by the lean (or fused) one in the same arithmetic | every `*RMSNorm` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
-| SwiGLU | the forward of each MLP computing down(silu(gate) * up), by the fused product | every dense `*.mlp` |
+| gated MLP | the forward of each MLP computing down(act(gate) * up) with silu or tanh GELU, by the fused product | every dense `*.mlp` |
 | tiled MLP | the forward of each dense MLP, by DeepSpeed's TiledMLP over sequence tiles | every dense `*.mlp` |
 | DeltaNet mixer | the forward of each Gated DeltaNet mixer, by ours (sp/deltanet.py): the rule's kernel of --linear_kernel, the head all-to-all under SP, restarts at packed documents | every `linear_attention` layer's mixer |
 
@@ -34,7 +34,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
-from ..levers.fused_kernels import RotaryFunction, SiLUMulFunction, kernels_run_on, rotary_fits, triton_importable
+from ..levers.fused_kernels import (GatedMulFunction, RotaryFunction, kernels_run_on, rotary_fits,
+                                    triton_importable)
 from ..levers.lean_norm import fused_forward, lean_forward
 from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
@@ -43,7 +44,7 @@ from ..levers.tiled_mlp import tiled_forward
 from ..sp.all_to_all import group_size
 from ..sp.deltanet import is_deltanet, layout_of as deltanet_layout, sp_forward as deltanet_forward
 from ..sp.linear_kernel import LinearKernel, choose_linear_kernel
-from .matching import (computes_llama_rms_norm, computes_llama_rotary, computes_swiglu, rebind_global,
+from .matching import (computes_llama_rotary, gated_mlp_activation, rebind_global, rms_norm_rule,
                        rotary_keeps_input_dtype, uses_global)
 
 _SUBCLASSES: dict[tuple, type] = {}  # (original class, what replaces) -> the subclass swapped in
@@ -116,13 +117,15 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
 
 
 def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
-    """Every module computing Llama's RMSNorm saves less for its backward (levers/lean_norm.py); fused: one Triton
-    kernel each way."""
+    """Every module computing one of transformers' RMSNorm arithmetics (Llama's, T5's, zero-centred: lean_norm.py)
+    saves less for its backward, computing the same; fused: one Triton kernel each way."""
     tag, forward = ("Fused", fused_forward) if fused else ("Lean", lean_forward)
     patched = 0
     for module in model.modules():
-        if type(module) in _SUBCLASSES.values() or not computes_llama_rms_norm(type(module)):
+        rule = None if type(module) in _SUBCLASSES.values() else rms_norm_rule(type(module))
+        if rule is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
             continue
+        module._norm_rule = rule
         _swap_class(module, tag, {"forward": forward})
         patched += 1
     return patched
@@ -164,16 +167,19 @@ def install_fused_rotary(model: nn.Module) -> int:
 
 
 def _fused_mlp_forward(self, x):
-    return self.down_proj(SiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(GatedMulFunction.apply(self.gate_proj(x), self.up_proj(x), self._gated_act))
 
 
 def install_fused_mlp(model: nn.Module) -> int:
-    """Every dense MLP computing down(silu(gate(x)) * up(x)) runs silu(gate) * up as one kernel each way."""
+    """Every dense MLP computing down(act(gate(x)) * up(x)) with a gated activation the kernel has (SwiGLU's silu,
+    Gemma's tanh GELU) runs act(gate) * up as one kernel each way."""
     patched = 0
     for module in _dense_mlps(model):
-        act = getattr(module, "act_fn", None)
-        if type(module) in _SUBCLASSES.values() or not computes_swiglu(type(module), act):
+        act = None if type(module) in _SUBCLASSES.values() else gated_mlp_activation(type(module),
+                                                                                     getattr(module, "act_fn", None))
+        if act is None:
             continue
+        module._gated_act = act
         _swap_class(module, "Fused", {"forward": _fused_mlp_forward})
         patched += 1
     return patched
@@ -231,7 +237,7 @@ PATCHES = {
                      lambda m: sum(type(x).__name__.endswith("RMSNorm") for x in m.modules())),
     "rotary": Patch("rotary", "fused_kernels", "--fused_kernels",
                     lambda m: sum(n.endswith("self_attn") for n, _ in m.named_modules())),
-    "SwiGLU": Patch("SwiGLU", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
+    "gated MLP": Patch("gated MLP", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
     "tiled MLP": Patch("tiled MLP", "tiled_mlp", "--tiled_mlp", lambda m: len(_dense_mlps(m))),
     # not a lever: installed on every model with DeltaNet layers (install_deltanet_mixers), one per
     # `linear_attention` layer
@@ -316,7 +322,7 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
                                                          levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),
              ("rotary", lambda: install_fused_rotary(model)),
-             ("SwiGLU", lambda: install_fused_mlp(model)),
+             ("gated MLP", lambda: install_fused_mlp(model)),
              ("tiled MLP", lambda: enable_tiled_mlp(model, mlp_tile_tokens))]
     report, by_lever = SurgeryReport(), {}
     for name, install in steps:

@@ -261,12 +261,14 @@ class LeverConfig:
     share_master_weights: bool = _f(True, "ZeRO-3 with master weights in the model's dtype (bf16 states, or fp32): the "
                                     "optimizer updates the model's partition in place instead of a copy of it (2 bytes "
                                     "per parameter less in bf16; the same numbers).")
-    lean_norm: Literal[LEAN_NORM] = _f("auto", "Llama-style RMSNorms save their input in the model dtype and one fp32 "
+    lean_norm: Literal[LEAN_NORM] = _f("auto", "RMSNorms (Llama's, T5's, Gemma's 1 + weight) save their input in the model "
+                                       "dtype and one fp32 "
                                        "number per row for the backward, instead of an fp32 copy of the input (4 bytes "
                                        "less per element in bf16; the same forward, bit for bit). auto: on where the "
                                        "model has such norms. on (true): required. off (false): transformers' norms.")
     fused_kernels: Literal[AUTO_ON_OFF] = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the "
-                                             "rotary embedding and the SwiGLU product: one kernel each way instead of "
+                                             "rotary embedding and the gated MLP's product (SwiGLU, Gemma's GeGLU): one "
+                                             "kernel each way instead of "
                                              "up to seven small ones (docs/benchmarks.md). auto: on for CUDA devices "
                                              "with Triton installed, if a self-check against the ops they replace "
                                              "passes (else those ops, the reason logged). on: required. off: "

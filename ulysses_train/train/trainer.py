@@ -377,7 +377,7 @@ class Trainer:
 
     def describe_levers(self) -> str:
         lv, counts = self.levers, self.surgery.counts
-        fused = (f"{counts['RMSNorm'][0]} norms, {counts['rotary'][0]} rotary, {counts['SwiGLU'][0]} SwiGLU"
+        fused = (f"{counts['RMSNorm'][0]} norms, {counts['rotary'][0]} rotary, {counts['gated MLP'][0]} gated MLP"
                  if lv.fused_kernels else "off" + (f" ({lv.why['fused_kernels']})" if "fused_kernels" in lv.why
                                                    and lv.why["fused_kernels"].startswith("auto: off,") else ""))
         norms = counts.get("RMSNorm", (0, 0))[0] if lv.lean_norm or lv.fused_kernels else 0
