@@ -184,3 +184,38 @@ def test_a_verify_step_without_a_target_is_a_setting_to_change():
                                           r"and --chat_template"):
         require_targets(None, [untrained, untrained])
     require_targets(None, [untrained, build_batch([(torch.arange(8), 8)], packing=False)])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_the_reference_runs_transformers_torch_delta_rule_where_fla_cannot_run(family, monkeypatch):
+    """On a Hopper GPU without tilelang, transformers binds FLA's kernel in place of its torch delta rule, and FLA's
+    backward raises there (the trainer runs the torch rule instead). Stood in for here by a bound function that
+    raises: the reference still computes transformers' torch rule, the same loss as a model left alone."""
+    import functools
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import any_tiny_config
+    from ulysses_train.train.verify_reference import reference_model
+
+    config = any_tiny_config(family)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config)
+    weights = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    ids = torch.randint(1, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    want = plain(input_ids=ids, labels=ids).loss
+    modeling = sys.modules[type(plain).__module__]
+    torch_rule = modeling.torch_chunk_gated_delta_rule
+
+    @functools.wraps(torch_rule)
+    def bound_fla(*args, **kwargs):
+        raise RuntimeError("FLA's gated backward is wrong on this GPU")
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", bound_fla)
+    with pytest.raises(RuntimeError, match="FLA's gated backward"):
+        AutoModelForCausalLM.from_config(config)(input_ids=ids)
+    model, _ = reference_model(config, weights, torch.float32, torch.device("cpu"))
+    got = model(input_ids=ids, labels=ids).loss
+    got.backward()
+    assert torch.equal(got.detach(), want.detach())

@@ -17,6 +17,9 @@ import torch
 
 from ..data.sources import trainable_tokens
 from ..model.build import without_zero3
+from ..model.matching import rebind_global
+from ..sp.deltanet import is_deltanet
+from ..sp.linear_kernel import fla_problem
 from ..sp.sharding import IGNORE_INDEX, shift_labels
 
 
@@ -107,11 +110,48 @@ def reference_model(model_config, weights: dict, dtype: torch.dtype, device: tor
             if not (quantized and type(param).__name__ == "Params4bit"):
                 param.copy_(base[name])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fla_problem(device) is not None:
+        use_torch_delta_rule(model)
     names = None
     if adapters is not None:
         model, names = _with_peft(model, adapters, weights)
     model.to(device).train()
     return model, names
+
+
+_TORCH_RULE_CLASSES: dict[type, type] = {}
+
+
+def use_torch_delta_rule(model) -> int:
+    """Every Gated DeltaNet mixer of `model` computes its delta rule with its modeling file's own torch function.
+
+    Why: transformers binds FLA's kernel in its place at import wherever `fla` imports, also where FLA cannot run
+    (on Hopper with Triton before 3.7.1 and no tilelang its backward raises), where the trainer falls back to the same
+    torch function (sp/linear_kernel.py); the reference then computes what plain transformers computes without FLA.
+    The mixer's class gets a copy of its forward reading the torch function (the module file stays as it is)."""
+    import inspect
+    import sys
+
+    patched = 0
+    for module in model.modules():
+        if not is_deltanet(module) or type(module) in _TORCH_RULE_CLASSES.values():
+            continue
+        cls = type(module)
+        if cls not in _TORCH_RULE_CLASSES:
+            name = "torch_chunk_gated_delta_rule"
+            rule = inspect.unwrap(getattr(sys.modules[cls.__module__], name))
+            forward = rebind_global(cls.forward, name, rule)
+            if forward is None:
+                raise RuntimeError(f"--verify: the forward of {cls.__name__} cannot be given transformers' torch "
+                                   f"delta rule (train/verify_reference.py)")
+            _TORCH_RULE_CLASSES[cls] = type(f"TorchRule{cls.__name__}", (cls,),
+                                            {"__module__": cls.__module__, "forward": forward})
+        module.__class__ = _TORCH_RULE_CLASSES[cls]
+        if callable(getattr(module, "chunk_gated_delta_rule", None)):  # releases that bind it per module
+            module.chunk_gated_delta_rule = inspect.unwrap(getattr(sys.modules[cls.__module__],
+                                                                   "torch_chunk_gated_delta_rule"))
+        patched += 1
+    return patched
 
 
 def reference_grads(model, names: Optional[dict]) -> dict:
