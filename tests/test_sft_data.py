@@ -145,6 +145,11 @@ def test_bad_rows_name_the_row(tok):
         _encode("tokens", tok, [{"input_ids": 7}], "all")
     with pytest.raises(ConfigError, match=r"row 0 of --dataset: `labels` is 5, not a list of one entry per token"):
         _encode("tokens", tok, [{"input_ids": [5], "labels": 5}], "labels")
+    # a null row named "`input_ids` or `all`", `all` being the --loss_on value, not a column
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `input_ids` is empty \(null\)$"):
+        _encode("tokens", tok, [{"input_ids": None}], "all")
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `labels` is empty \(null\)$"):
+        _encode("tokens", tok, [{"input_ids": [5], "labels": None}], "labels")
 
 
 def test_format_detection_and_loss_on():
