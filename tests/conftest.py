@@ -15,9 +15,19 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the probe suite's profiles (tests/test_probes.py): few examples in the quick loop, more in CI. No deadline: an
+# example's time depends on the machine's load, and the tests put no time limit on anything
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("quick", max_examples=15, deadline=None)
+settings.register_profile("ci", max_examples=100, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "quick"))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "slow: starts training runs (the probe suite's long part); -m 'not slow' "
+                                       "leaves them out of the quick loop")
 
 
 def pytest_collection_modifyitems(config, items):

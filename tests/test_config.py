@@ -263,6 +263,10 @@ def test_attention_kernel_choice(monkeypatch):
     (["--adam_beta2", "1"], r"--adam_beta2 must be in \[0, 1\), got 1.0"),
     (["--adam_epsilon", "0"], "--adam_epsilon must be positive, got 0.0"),
     (["--warmup_steps", "40"], r"--warmup_steps must be in \[0, --steps=30\], got 40"),
+    # seeds past 64 bits (seed x 1000003 for a sample's generator) crashed the run's first step with an OverflowError
+    (["--seed", str(2**63)], r"--seed must be in \[0, 4294967295\], got 9223372036854775808: the data's and the "
+                             r"initialisation's generators are seeded from it"),
+    (["--seed=-1"], r"--seed must be in \[0, 4294967295\], got -1"),
 ])
 def test_validate_rejects_non_finite_and_out_of_range_floats(argv, message):
     cfg, _ = parse_args(argv)

@@ -47,3 +47,34 @@ def test_a_resume_over_changed_data_is_refused_unless_overridden(tmp_path):
     assert "--resume_override" in errors[0]
     proc = run([sys.executable], resume[:-1] + ["steps,dataset"], out)
     assert "resumed" in (proc.stdout + proc.stderr).lower()
+
+
+def test_a_json_lines_row_that_is_no_object_is_named_by_line(tmp_path):
+    """A `null` line (first, or first of one of pyarrow's blocks) killed the run with a segmentation fault inside
+    pyarrow's JSON reader, and a line holding a number, a string or a list failed inside datasets naming no line.
+    Each is now refused naming the file and the line, before datasets reads it (in a child process here, so that
+    the crash it guards against cannot take the tests with it)."""
+    import subprocess
+
+    from tests.trainer_runs import ROOT, child_env
+
+    cases = {"null.jsonl": ("null\n" + json.dumps({"text": "a"}) + "\n", "line 1 holds 'null'"),
+             "late.jsonl": (json.dumps({"text": "a"}) + "\n\n  [1, 2]\n", "line 3 holds '[1, 2]'"),
+             "lines.json": (json.dumps({"text": "a"}) + "\n\"loose\"\n", "line 2 holds '\"loose\"'")}
+    for name, (text, said) in cases.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "fine.jsonl").write_text("\ufeff" + json.dumps({"text": "a" * 20}) + "\n\r\n   {\"text\": \"b\"}\n")
+    script = ("import sys\nfrom ulysses_train.data.corpus import ByteTokenizer, corpus_samples\n"
+              "from ulysses_train.errors import ConfigError\n"
+              "try:\n    corpus_samples(sys.argv[1], 'train', None, ByteTokenizer(), 4, sys.argv[2])\n"
+              "    print('loaded')\nexcept ConfigError as e:\n    print(e)\n")
+    for name in list(cases) + ["fine.jsonl"]:
+        proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / name), str(tmp_path / "cache")],
+                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
+        if name == "fine.jsonl":
+            assert proc.stdout.strip() == "loaded"
+            continue
+        assert proc.stdout.strip() == (f"--dataset {tmp_path / name}: {cases[name][1]}, not a JSON object: each "
+                                       f"line of a JSON Lines file is one row, an object of its columns (remove "
+                                       f"or fix the line)"), proc.stdout

@@ -120,3 +120,37 @@ def test_a_pickled_weights_file_with_objects_is_refused_naming_the_file(tmp_path
     assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
     assert f"{folder / 'pytorch_model.bin'} holds Python objects besides tensors" in errors[0]
     assert "weights_only=False" not in proc.stderr and "planted code ran" not in proc.stdout + proc.stderr
+
+
+def test_an_unknown_model_type_is_one_line_naming_it_and_the_families(tmp_path):
+    """transformers' refusal of an unknown model_type was a paragraph about upgrading, cut mid-word at 300
+    characters; it is now one line naming the type and the families the trainer trains."""
+    from ulysses_train.sp.support import FAMILIES
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY_QWEN3, model_type="qwen3x")))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(path.read_text())
+    for flag, name, load in (("--model_config", path, lambda: load_model_config(None, str(path))),
+                             ("--model", folder, lambda: load_model_config(str(folder), None))):
+        with pytest.raises(ConfigError) as error:
+            load()
+        assert str(error.value) == (f"{flag} {name}: model_type 'qwen3x' is not a model type transformers knows (a "
+                                    f"typo, or a newer transformers'?); the trainer trains {', '.join(FAMILIES)}")
+
+
+def test_a_model_without_an_attention_layer_is_refused(tmp_path):
+    """Qwen3.5's pattern (three linear-attention layers, then a full-attention one) at two layers has no attention
+    layer: the trainer crashed planning its memory (`ValueError: max() arg is an empty sequence`)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY_QWEN3, model_type="qwen3_5_text")))
+    with pytest.raises(ConfigError, match=rf"^--model_config {path}: none of its 2 layers is an attention layer \(all "
+                                          rf"linear_attention\), which the trainer plans its sequence parallelism "
+                                          rf"from: give layer_types a full_attention layer$"):
+        load_model_config(None, str(path))
+    path.write_text(json.dumps(dict(TINY_QWEN3, model_type="qwen3_5_text", num_hidden_layers=4)))
+    assert load_model_config(None, str(path)).layer_types[-1] == "full_attention"
+    with pytest.raises(ConfigError, match=r"cut to --num_layers 3: none of its 3 layers is an attention layer .*: "
+                                          r"give --num_layers a larger number$"):
+        load_model_config(None, str(path), num_layers=3)

@@ -140,6 +140,16 @@ def test_bad_rows_name_the_row(tok):
     raising = "{{ raise_exception('Conversation roles must alternate') }}"
     with pytest.raises(ConfigError, match="row 0 of --dataset: the chat template .* Conversation roles must alternate"):
         _encode("messages", tok, [{"messages": MULTI_TURN}], "assistant", raising)
+    # an id or a mask where a list belongs crashed with "TypeError: 'int' object is not iterable"
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `input_ids` is 7, not a list of one entry per token"):
+        _encode("tokens", tok, [{"input_ids": 7}], "all")
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `labels` is 5, not a list of one entry per token"):
+        _encode("tokens", tok, [{"input_ids": [5], "labels": 5}], "labels")
+    # a null row named "`input_ids` or `all`", `all` being the --loss_on value, not a column
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `input_ids` is empty \(null\)$"):
+        _encode("tokens", tok, [{"input_ids": None}], "all")
+    with pytest.raises(ConfigError, match=r"row 0 of --dataset: `labels` is empty \(null\)$"):
+        _encode("tokens", tok, [{"input_ids": [5], "labels": None}], "labels")
 
 
 def test_format_detection_and_loss_on():
@@ -383,6 +393,20 @@ def test_a_template_that_never_ends_is_stopped_naming_the_row(tok, tmp_path, mon
     with pytest.raises(ConfigError, match=rf"row 0 of --dataset {data}: --chat_template {path} did not finish "
                                           rf"rendering the conversation within 1 s"):
         _samples(data, tmp_path, tok, chat_template=str(path))
+
+
+def test_rows_without_columns_name_the_flag(tmp_path):
+    """Rows that are all `{}` failed inside datasets with `ValueError: Instruction "train" corresponds to no data!`
+    (a traceback, exit 3)."""
+    from ulysses_train.data.load import _Loader
+    from ulysses_train.data.mixture import dataset_entries
+    from ulysses_train.train.config import TrainConfig
+
+    path = write_jsonl(tmp_path / "empty_rows.jsonl", [{}, {}])
+    settings = TrainConfig.from_flags({"tokenizer": "bytes", "data_cache_dir": str(tmp_path / "c")}).data_settings()
+    assert _Loader(settings, dataset_entries(str(path), "dataset"), "train", 64, 259, print, "dataset").load() == (
+        f"--dataset {path} holds no columns (every row empty?): give rows with the columns of a format of "
+        f"docs/data.md")
 
 
 def test_empty_dataset_files_name_the_flag(tmp_path):

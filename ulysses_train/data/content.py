@@ -6,6 +6,12 @@ rows, and so was our token store. So every local file is hashed (SHA-256 of its 
 per version of a file and kept beside datasets' cache (`ulysses_digests.json`), keyed by the file's path, size,
 modification and change times and inode: the change time (ctime) moves on every write and every time-restoring
 call, and no user call sets it back, so a stored digest is reused only for the same bytes.
+
+The same pass checks a JSON Lines file's rows: every line must hold a JSON object. pyarrow's JSON reader (which
+datasets hands the file to, block by block) kills the process with a segmentation fault on a block that starts
+with a `null` line, and other values (a number, a string, a list) fail inside datasets without saying where. A line
+that does not start with `{` is named, by file and line, before datasets reads the file; only a file that passed
+has its digest stored, so an unchanged file is not read twice.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Optional
+
+from ..errors import ConfigError
 
 DIGESTS = "ulysses_digests.json"
 _CHUNK = 16 << 20
@@ -53,15 +62,62 @@ def file_digests(paths: list[str]) -> dict[str, str]:
     for path in paths:
         version = _version(path)
         if version not in stored:
-            h = hashlib.sha256()
+            h, lines = hashlib.sha256(), _LineCheck(path) if _is_json_lines(path) else None
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(_CHUNK), b""):
                     h.update(block)
+                    if lines is not None:
+                        lines.feed(block)
+            if lines is not None:
+                lines.feed(b"", last=True)
             stored[version], changed = h.hexdigest(), True
         digests[path] = stored[version]
     if changed:
         _write_store(store, stored)
     return digests
+
+
+# a line whose first character (after spaces) starts no JSON object; blank lines are skipped, as datasets does
+_NOT_AN_OBJECT = re.compile(rb"^[ \t]*([^{\s])", re.MULTILINE)
+
+
+def _is_json_lines(path: str) -> bool:
+    """A .jsonl file, or a .json file laid out as JSON Lines (its first line one whole object); a .json file with
+    one array or one object over many lines is read whole by datasets, not line by line."""
+    extension = os.path.splitext(path)[1]
+    if extension == ".jsonl":
+        return True
+    if extension != ".json":
+        return False
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20).strip().removeprefix(b"\xef\xbb\xbf")
+    try:
+        return isinstance(json.loads(first), dict) if first.startswith(b"{") else False
+    except ValueError:
+        return False
+
+
+class _LineCheck:
+    """Fed a JSON Lines file's bytes block by block: a ConfigError naming the first line that holds no object."""
+
+    def __init__(self, path: str):
+        self.path, self.line, self.pending, self.start = path, 1, b"", True
+
+    def feed(self, block: bytes, last: bool = False) -> None:
+        data = self.pending + block
+        if self.start and data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, which datasets strips
+            data = data[3:]
+        self.start = False
+        whole = len(data) if last else data.rfind(b"\n") + 1  # whole lines only; the rest waits for the next block
+        found = _NOT_AN_OBJECT.search(data, 0, whole)
+        if found:
+            line = self.line + data.count(b"\n", 0, found.start())
+            end = data.find(b"\n", found.start())
+            text = data[found.start(1):end if end >= 0 else len(data)][:40].decode("utf-8", "replace")
+            raise ConfigError(f"--dataset {self.path}: line {line} holds {text!r}, not a JSON object: each line of a "
+                              f"JSON Lines file is one row, an object of its columns (remove or fix the line)")
+        self.line += data.count(b"\n", 0, whole)
+        self.pending = data[whole:]
 
 
 def _write_store(path: str, stored: dict) -> None:

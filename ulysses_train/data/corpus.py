@@ -123,6 +123,9 @@ def load_corpus(spec: str, split: str = "train", streaming: bool = False):
         local_or_hub("dataset", spec)
         return datasets.load_dataset(spec, split=split, streaming=streaming)
     except ValueError as e:  # datasets' words: 'Unknown split "x". Should be one of [...]'
+        if "corresponds to no data" in str(e):  # rows without a column ({} on every line): no table at all
+            raise ConfigError(f"--dataset {spec} holds no columns (every row empty?): give rows with the columns of "
+                              f"a format of docs/data.md") from None
         if "Unknown split" not in str(e):
             raise
         raise ConfigError(f"--dataset_split {split}: {spec} has no such split ({e})") from None

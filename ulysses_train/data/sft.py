@@ -148,7 +148,11 @@ class RowEncoder:
 
     def _tokens(self, row: dict) -> tuple[list, list]:
         if row["input_ids"] is None or (self.loss_on != "all" and row[self.loss_on] is None):
-            raise ConfigError(f"`input_ids` or `{self.loss_on}` is empty (null)")
+            raise ConfigError("`input_ids` is empty (null)" if row["input_ids"] is None or self.loss_on == "all"
+                              else f"`{self.loss_on}` is empty (null)")
+        for name in ("input_ids",) if self.loss_on == "all" else ("input_ids", self.loss_on):
+            if not isinstance(row[name], (list, tuple, np.ndarray)):
+                raise ConfigError(f"`{name}` is {row[name]!r}, not a list of one entry per token")
         ids = token_ids(row["input_ids"], self.vocab_size)
         if self.loss_on == "all":
             return ids, [1] * len(ids)

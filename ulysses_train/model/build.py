@@ -19,7 +19,7 @@ from ..sp.support import layer_mixers
 from .buffers import restore_fp32_buffers
 from ..errors import ConfigError
 from ..paths import local_or_hub, looks_like_hub_id
-from .config_check import check_model_config
+from .config_check import check_layers, check_model_config, unknown_model_type
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, head_dim=128, attention_bias=False, attention_dropout=0.0,
               hidden_act="silu", rope_theta=1_000_000, max_position_embeddings=40960, vocab_size=151936)
@@ -179,14 +179,17 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
     flag, name = ("model", model) if model else ("model_config", model_config or "tiny")
     raw = None
     if model:
-        config = _loaded_config(model, "model")
         raw = _json_object(os.path.join(model, "config.json"))
+        if raw is not None and "model_type" in raw:
+            _check_model_type(raw["model_type"], f"--model {model}")
+        config = _loaded_config(model, "model")
     elif name in PRESETS:
         config = AutoConfig.for_model(**PRESETS[name])
     elif os.path.isfile(name) or os.path.isfile(os.path.join(name, "config.json")):
         raw = model_config_values(name)  # a readable JSON object, or a message saying what it holds instead
         if "model_type" not in raw:
             raise ConfigError(f"--model_config {name}: the config has no model_type")
+        _check_model_type(raw["model_type"], f"--model_config {name}")
         config = _loaded_config(name, "model_config")
     else:
         if not os.path.isdir(name) and not looks_like_hub_id(name):
@@ -201,7 +204,17 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:num_layers]
+    check_layers(config, f"--{flag} {name}", num_layers)
     return config
+
+
+def _check_model_type(model_type, source: str) -> None:
+    """A config.json's model_type, before transformers reads it: one it does not know is named with the families
+    the trainer trains (transformers' own message is a paragraph about upgrading)."""
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise unknown_model_type(model_type, source)
 
 
 def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[[str], None] = lambda _: None,

@@ -13,7 +13,7 @@ import math
 from typing import Any, Iterator, Optional
 
 from ..errors import ConfigError
-from ..sp.support import family_of
+from ..sp.support import FAMILIES, family_of, layer_mixers
 
 # counts and lengths: a positive whole number where the config sets them (None: the family's own default)
 POSITIVE_INTS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -48,6 +48,29 @@ def check_model_config(config, source: str, raw: Optional[dict] = None) -> None:
     if theta is not None and used is not None and theta != used:
         raise ConfigError(f"{source}: rope_theta {theta!r} differs from rope_parameters.rope_theta {used!r}, which "
                           f"transformers uses: give one of them")
+
+
+def check_layers(config, source: str, cut: Optional[int] = None) -> None:
+    """Every layer's type is one the trainer knows, and at least one layer attends: the memory and time models,
+    the attention kernel and the sequence-parallel layout are planned from the attention layers, and a model of
+    linear-attention layers only (Qwen3.5's pattern cut to fewer layers than its first full-attention one) has
+    none. `cut`: the --num_layers that cut it, named when it is the cause."""
+    try:
+        mixers = layer_mixers(config)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    if not any(m.kind == "attention" for m in mixers):
+        kinds = ", ".join(sorted({m.kind for m in mixers}))
+        remedy = "give --num_layers a larger number" if cut else "give layer_types a full_attention layer"
+        raise ConfigError(f"{source}{f' cut to --num_layers {cut}' if cut else ''}: none of its {len(mixers)} layers "
+                          f"is an attention layer (all {kinds}), which the trainer plans its sequence parallelism "
+                          f"from: {remedy}")
+
+
+def unknown_model_type(model_type: str, source: str) -> ConfigError:
+    """A model_type that transformers does not know: one line naming it and the families the trainer trains."""
+    return ConfigError(f"{source}: model_type {model_type!r} is not a model type transformers "
+                       f"knows (a typo, or a newer transformers'?); the trainer trains {', '.join(FAMILIES)}")
 
 
 def _views(config) -> Iterator[tuple[str, Any]]:

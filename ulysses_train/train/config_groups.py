@@ -96,7 +96,8 @@ class DataConfig:
     num_proc: Optional[int] = _f(None, "Processes for tokenizing (datasets.map).", gt=0)
     data_cache_dir: str = _f(os.path.join(os.path.expanduser("~"), ".cache", "ulysses_train"),
                              "Where the tokenized corpus arrays are cached (keyed by the data and tokenizer).")
-    seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.")
+    seed: int = _f(0, "Seed for initialisation and data. The same seed gives the same data whatever --sp_size is.",
+                   ge=0, le=2**32 - 1, why="the data's and the initialisation's generators are seeded from it")
 
 
 @dataclass

@@ -12,7 +12,8 @@ start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs ran
 save as a full disk would. Two hold a run where a test sends a signal, so that the outcome does not depend on how
 fast the run is: `hold_at:STEP` waits at the start of that step, on every rank, until the rank is asked to stop
 (SIGTERM, Ctrl-C, the launcher gone), then goes on; `hold_in_save` waits in the middle of every checkpoint, on
-every rank, until a signal ends the process (a second Ctrl-C).
+every rank, until a signal ends the process (a second Ctrl-C), and `hold_in_save:STEP` only in that step's (a run
+with an intact checkpoint and one being written).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def inject_nan(step: int) -> bool:
 def inject_in_save(step: int, rank: int) -> None:
     """Called between writing a checkpoint's shards and marking it complete."""
     fault = _fault()
-    if fault == ["hold_in_save"]:
+    if fault[:1] == ["hold_in_save"] and (len(fault) == 1 or int(fault[1]) == step):
         _hold(lambda: False)
     if len(fault) < 2 or int(fault[1]) != step or rank != 0:
         return
