@@ -29,6 +29,17 @@ def _equal(a, b) -> bool:
     return str(a) == str(b)
 
 
+def _as_ours(name: str, value):
+    """A value as our flag reads it (a translating alias's converted), to compare two keys reaching one flag."""
+    alias = aliases.BY_NAME.get(name)
+    if alias is None or alias.convert is None:
+        return value
+    try:
+        return alias.convert(value)
+    except Exception:  # the parser names a bad value
+        return value
+
+
 class _Settings:
     """The translated mapping, with where each flag came from (to name a conflict) and the refusals."""
 
@@ -40,13 +51,14 @@ class _Settings:
     def put(self, name: str, value, written: str, translated: bool = True) -> None:
         """Sets `name`; a second key reaching a flag that a translation set (or that one reaching a flag a key set)
         must give the same value. Two keys written for one flag are left for check_keys to name."""
-        flag = aliases.canonical(name.replace("-", "_"))
+        name_ = name.replace("-", "_")
+        flag, ours = aliases.canonical(name_), _as_ours(name_, value)
         if flag in self.source and (translated or self.source[flag][2]):
             other, before, _ = self.source[flag]
-            if not _equal(before, value):
-                self.refused.append((written, f"gives --{flag} {value}, but {other} gives {before}: keep one"))
+            if not _equal(before, ours):
+                self.refused.append((written, f"gives --{flag} {ours}, but {other} gives {before}: keep one"))
             return
-        self.source.setdefault(flag, (written, value, translated))
+        self.source.setdefault(flag, (written, ours, translated))
         self.values[name] = value
 
     def read(self, written: str, name: str, value) -> None:

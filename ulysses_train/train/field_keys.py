@@ -56,13 +56,14 @@ def _same(value, accepted: tuple) -> bool:
 def what_happens(name: str, origin: str, accepted: tuple, reason: str) -> FieldKey:
     """A key accepted at `accepted` (what happens here anyway), refused at any other value with `reason`."""
     shown = ", ".join("(empty)" if a in ("", [], {}) else str(a).lower() if isinstance(a, bool) else str(a)
-                      for a in accepted)
+                      for a in accepted if a is not None)  # null is unset, for every key
 
     def read(value):
         if _same(value, accepted):
             return {}
         raise NoCounterpart(reason)
-    return FieldKey(name, origin, f"accepted as {shown}; otherwise refused: {reason}", read)
+    return FieldKey(name, origin, f"accepted as {shown}; otherwise refused: {reason}" if shown else
+                    f"refused: {reason}", read)
 
 
 def no_counterpart(name: str, origin: str, reason: str) -> FieldKey:
