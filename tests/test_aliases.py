@@ -59,8 +59,8 @@ def test_typed_flags_win_over_the_file_in_the_order_given(tmp_path):
 
 def test_every_unsupported_key_is_named_at_once_with_the_nearest_flag(tmp_path):
     path = tmp_path / "trl.yaml"
-    path.write_text(yaml.safe_dump(dict(TRL_STYLE, fp16=False, optim="adamw_torch", warmup_ratioo=0.1,
-                                        gradient_checkpointing_kwargs={"use_reentrant": False}, zzz=1)))
+    path.write_text(yaml.safe_dump(dict(TRL_STYLE, fp16=True, optim="adamw_8bit", warmup_ratioo=0.1,
+                                        gradient_checkpointing_kwargs={"use_reentrant": True}, zzz=1)))
     with pytest.raises(ConfigError) as on_the_command_line:
         parse_args(["--config", str(path)])
     with pytest.raises(ConfigError) as error:
@@ -68,8 +68,8 @@ def test_every_unsupported_key_is_named_at_once_with_the_nearest_flag(tmp_path):
     message = str(error.value)
     assert str(on_the_command_line.value) == message
     assert message.startswith(f"--config {path}: 5 unsupported keys: fp16 (fp16 is not supported")
-    for expected in ("optim (the optimizer is AdamW", "warmup_ratioo (nearest flag: --warmup_ratio)",
-                     "gradient_checkpointing_kwargs (--gradient_checkpointing", "zzz (no similar flag)"):
+    for expected in ("optim (the optimizer is torch's AdamW", "warmup_ratioo (nearest flag: --warmup_ratio)",
+                     "gradient_checkpointing_kwargs (checkpointing here is non-reentrant", "zzz (no similar flag)"):
         assert expected in message
     with pytest.raises(ConfigError, match="learning_rate and lr name the same flag --lr: keep one"):
         config_from({"learning_rate": 1e-3, "lr": 1e-3})

@@ -87,3 +87,58 @@ def test_errors_raise_and_the_interpreter_keeps_nothing_of_the_runs(session):
     assert report["error"].startswith("--sp_size 3 does not divide the world size 1")
     assert report["after"] == {"gloo_threads": 0, "python_threads": ["MainThread"], "process_group": False,
                                "zero3": False, "handlers_restored": True, "launcher_variables": []}
+
+
+# a Trainer held open: train, evaluate, save_model; a misspelt attribute and the aliases of from_flags
+HELD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+from ulysses_train import Trainer, TrainConfig
+from ulysses_train.errors import ConfigError
+from ulysses_train.train.checkpoint import consolidated_state
+
+out, chats, tokenizer, template = sys.argv[1:5]
+config = TrainConfig.from_flags({"learning_rate": 3e-3, "max_seq_length": 128, "max_steps": 3, "bf16": False})
+try:
+    config.data.seq_lenn = 512
+    misspelt = None
+except AttributeError as e:
+    misspelt = str(e)
+with Trainer(config, dataset=chats, tokenizer=tokenizer, chat_template=template, val_set_size=0.25, output_dir=out + "/run",
+             save_final=False) as trainer:
+    result = trainer.train()
+    evaluated = trainer.evaluate()
+    path = trainer.save_model(out + "/model")
+    try:
+        trainer.save_model(out + "/model")
+        again = None
+    except ConfigError as e:
+        again = str(e)
+    checkpoint = trainer._run.checkpoint
+model = AutoModelForCausalLM.from_pretrained(path)
+state = consolidated_state(checkpoint)
+same = all(torch.equal(p.float(), state[name]) for name, p in model.named_parameters())
+print("HELD " + json.dumps({"eval_loss": result.eval_loss, "evaluated": evaluated["eval_loss"], "same": same,
+                            "misspelt": misspelt, "again": again, "checkpoint": checkpoint,
+                            "steps": [r["step"] for r in result.history]}), flush=True)
+"""
+
+
+def test_a_trainer_evaluates_and_saves_its_model_and_configs_refuse_unknown_attributes(tmp_path):
+    from tests.sft_fixtures import arithmetic_chats, chat_folder, write_jsonl
+
+    files = chat_folder(tmp_path)
+    (tmp_path / "held.py").write_text(HELD)
+    env = {k: v for k, v in child_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(tmp_path / "held.py"), str(tmp_path),
+                           write_jsonl(tmp_path / "chats.jsonl", arithmetic_chats(16)), files["tokenizer"],
+                           files["template"]],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    held = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("HELD "))[5:])
+    assert held["steps"] == [1, 2, 3] and held["eval_loss"] is not None
+    assert held["evaluated"] == pytest.approx(held["eval_loss"], rel=1e-6)  # the same weights as the last step's
+    assert held["same"] and held["checkpoint"].endswith("step_00000003")  # saved by save_model (no final save)
+    assert held["misspelt"] == "DataConfig has no setting 'seq_lenn' (did you mean 'seq_len'?)"
+    assert "holds" in held["again"] or "exists" in held["again"] or "not empty" in held["again"], held["again"]

@@ -102,7 +102,7 @@ def test_ring_dims_layout_and_errors_name_the_flags():
         ParallelDims(8, 8, 3)
     # Qwen2.5-7B: 28 heads, 4 KV heads; pure Ulysses at 8 fails and the message proposes the ring
     with pytest.raises(ConfigError, match=r"--sp_size 8 must divide the model's 28 attention heads; .*--ring_size 2 "
-                                          r"\(Ulysses 4 x ring 2\), which --ring_size auto picks"):
+                                          r"\(Ulysses 4 x ring 2\), which --ring_size auto \(the default\) picks"):
         check_heads(8, 28, 4)
     check_heads(8, 28, 4, ring_size=2)
     with pytest.raises(ConfigError, match="--sp_size 16 / --ring_size 2 = Ulysses degree 8 must divide the model's "
@@ -123,6 +123,9 @@ def test_ring_dims_layout_and_errors_name_the_flags():
         with pytest.raises(ConfigError, match=f"--ring_size must be a positive number or auto, got {bad}"):
             cfg.validate()
     parse_args(["--ring_size", "auto"])[0].validate()
+    # the default: no ring where the heads divide the SP size, the smallest ring where they do not (12 heads at 8)
+    assert parse_args([])[0].parallel.ring_size == "auto"
+    assert resolve_ring_size("auto", 8, 12, 12) == 2 and resolve_ring_size("auto", 4, 12, 12) == 1
 
 
 def test_validate_rejects_bad_flags(tmp_path):

@@ -18,9 +18,11 @@ def files(tmp_path_factory):
                                   "out": str(folder)}
 
 
-def _args(files):
-    return ["--dataset", files["train"], "--eval_dataset", files["eval"], "--tokenizer", files["tokenizer"],
-            "--chat_template", files["template"], "--data_cache_dir", files["cache"], "--seq_len", "128"]
+def _args(files, extra=()):
+    """The run's flags; with --val_set_size in `extra`, its eval set is held out of --dataset instead."""
+    evaluated = [] if "--val_set_size" in extra else ["--eval_dataset", files["eval"]]
+    return ["--dataset", files["train"], *evaluated, "--tokenizer", files["tokenizer"], "--chat_template",
+            files["template"], "--data_cache_dir", files["cache"], "--seq_len", "128", *extra]
 
 
 def _evaluate_against_transformers(rank, world, files, settings, trained):
@@ -37,7 +39,7 @@ def _evaluate_against_transformers(rank, world, files, settings, trained):
 
     results = []
     for i, extra in enumerate(settings):
-        cfg, explicit = parse_args(_args(files) + extra + ["--output_dir", os.path.join(files["out"], f"run{i}")])
+        cfg, explicit = parse_args(_args(files, extra) + ["--output_dir", os.path.join(files["out"], f"run{i}")])
         trainer = Trainer(cfg, explicit)
         ours = evaluate(trainer, trainer.eval_source, None)
         weights = _gather_weights(trainer.engine, rank)
@@ -59,14 +61,16 @@ TRAINED = ["--steps", "5", "--eval_steps", "2", "--sp_size", "2", "--lr", "3e-3"
 @pytest.fixture(scope="module")
 def launched(files):
     """One launch of two ranks for both tests below (rank 0's results)."""
-    settings = [["--sp_size", "2"], ["--sp_size", "1"], ["--sp_size", "2", "--packing"]]
+    settings = [["--sp_size", "2"], ["--sp_size", "1"], ["--sp_size", "2", "--packing"],
+                ["--sp_size", "2", "--val_set_size", "0.2"]]  # a fifth of --dataset held out
     results = run_distributed(_evaluate_against_transformers, 2, files, settings, TRAINED, use_deepspeed=True)[0]
     return {"settings": settings, "results": results, "trained": os.path.join(files["out"], "trained")}
 
 
 def test_eval_loss_under_sp_equals_plain_transformers(launched):
     """SP=2 (one SP group) and SP=1 (two DP groups, seven samples: the second group's last micro-batch runs past
-    the end and counts nothing), packed and not: the mean over every trained token of the eval samples."""
+    the end and counts nothing), packed and not, and on the share of --dataset that --val_set_size holds out: the
+    mean over every trained token of the eval samples."""
     assert len(launched["results"]) == len(launched["settings"])
     for extra, (ours, reference) in zip(launched["settings"], launched["results"]):
         assert ours["eval_loss"] == pytest.approx(reference, rel=1e-5), extra
@@ -92,8 +96,13 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     from ulysses_train.train.config import parse_args
     from ulysses_train.train.preflight import preflight
 
-    for extra in (["--eval_steps", "2"], ["--eval_samples", "3"], ["--eval_split", "test"]):
-        with pytest.raises(ConfigError, match="need --eval_dataset"):
+    for extra in (["--eval_steps", "2"], ["--eval_samples", "3"], ["--eval_split", "test"], ["--evals_per_epoch", "2"]):
+        with pytest.raises(ConfigError, match="needs? (an eval set: --eval_dataset or --val_set_size|--eval_dataset)"):
+            parse_args(["--dataset", files["train"]] + extra)[0].validate()
+    for extra, message in ((["--val_set_size", "0.1"] + _args(files)[2:4], "leave --eval_dataset unset"),
+                           (["--val_set_size", "2.5"], "a fraction under 1 or a whole number"),
+                           (["--val_set_size", "0.1", "--method", "dpo"], "evaluated with the SFT loss")):
+        with pytest.raises(ConfigError, match=message):
             parse_args(["--dataset", files["train"]] + extra)[0].validate()
     with pytest.raises(ConfigError, match="--eval_steps must be >= 0"):
         parse_args(_args(files) + ["--eval_steps", "-1"])[0].validate()
@@ -115,6 +124,27 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     assert message.startswith(f"--eval_dataset {no_target}: no target: none of its 3 conversations"), message
     message = load(files["eval"], "validation")
     assert message.startswith("--eval_split validation: ") and "no such split" in message, message
+
+
+def test_val_set_size_holds_out_a_fixed_share_that_is_never_trained_on():
+    """No process: the held-out samples depend on the seed alone; they and the training ones split the source."""
+    from ulysses_train.data.held_out import split_off
+    from ulysses_train.errors import ConfigError
+
+    class Source:
+        num_samples = 40
+
+        def get(self, i):
+            return i
+
+    for size, count in ((0.25, 10), (3, 3), (0.001, 1)):
+        train, held = split_off(Source(), size, seed=5)
+        kept, out = [train.get(i) for i in range(train.num_samples)], [held.get(i) for i in range(held.num_samples)]
+        assert len(out) == count and sorted(kept + out) == list(range(40)) and not set(kept) & set(out)
+        assert out == [split_off(Source(), size, seed=5)[1].get(i) for i in range(count)]
+    assert split_off(Source(), 0.25, seed=5)[1].indices != split_off(Source(), 0.25, seed=6)[1].indices
+    with pytest.raises(ConfigError, match="--val_set_size 40 holds out 40 of the 40 samples"):
+        split_off(Source(), 40, seed=0)
 
 
 def test_an_evaluation_without_a_target_reports_no_loss_not_zero(tmp_path):

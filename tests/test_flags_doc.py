@@ -17,6 +17,11 @@ def test_docs_flags_md_is_the_generators_output():
     assert page == flags_doc.render(), f"docs/flags.md is stale: regenerate it with {flags_doc.COMMAND}"
 
 
+def test_docs_field_keys_md_is_the_generators_output():
+    page = open(os.path.join(ROOT, "docs", "field-keys.md"), encoding="utf-8").read()
+    assert page == flags_doc.render_field_keys(), f"docs/field-keys.md is stale: regenerate it with {flags_doc.COMMAND}"
+
+
 def test_every_flag_and_alias_of_the_parser_is_on_the_page():
     page = flags_doc.render()
     for action in build_parser()._actions:
@@ -44,4 +49,4 @@ def test_a_section_per_argument_group_with_aliases_types_defaults_and_help():
     assert "| `--lr_scheduler_type` |  | `cosine`, `linear` | cosine | Schedule. |" in page
     assert "| `--warmup_steps` |  | int | 10% of --steps | Warmup. |" in page  # a default said in words
     assert "--hidden" not in page and "## Options" not in page  # argparse's own, empty, group is left out
-    assert "bf16" in BY_NAME and "| `--bf16` | transformers | `--dtype` |" in page  # the aliases table
+    assert "bf16" in BY_NAME and "| `--bf16` | transformers, axolotl | `--dtype` |" in page  # the aliases table

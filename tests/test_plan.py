@@ -265,7 +265,7 @@ def test_planner_proposes_a_ring_where_heads_forbid_ulysses(tmp_path, capsys):
     assert main(["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--gpus", "8",
                  "--sp_size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "--sp_size 8 does not suit 28 heads / 4 KV heads without a ring (--ring_size 2, or auto)" in out
+    assert "with the default flags (--sp_size 8 --ring_size 2)" in out  # --ring_size auto, the default
     assert "fits with --sp_size 8 --ring_size 2 " in out and "ring buffers" in out and "ring point-to-point" in out
     assert main(["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--gpus", "8",
                  "--sp_size", "8", "--ring_size", "1"]) == 2
@@ -397,3 +397,27 @@ def test_uncheckpointed_layers_peak_at_the_loss_or_their_own_backward_not_under_
                     - max(full["gpu"]["layer working set"], full["gpu"]["loss"])
                     + part["gpu"]["checkpoints"] + part["gpu"]["kept attention"] + transient)
         assert part["gpu_total"] == pytest.approx(expected)
+
+
+def test_the_plan_prints_a_command_to_copy_and_labels_its_breakdown(tmp_path, capsys):
+    """The plan ends with the launch command of the run it planned (the trainer's parser reads its flags back), for a
+    model folder as for a preset, with a command after -- too; each line of the breakdown says what it holds."""
+    import shlex
+
+    from ulysses_train.tools.plan import LABELS
+    from ulysses_train.train.config import parse_args
+
+    qwen2_28_heads_config().save_pretrained(tmp_path)  # a model folder: its config only is read
+    assert main(["--model", str(tmp_path), "--seq_len", "65536", "--gpus", "8", "--sp_size", "8"]) == 0
+    out = capsys.readouterr().out
+    command = shlex.split(out.split("run it:\n")[1].strip().splitlines()[0])
+    assert command[:4] == ["deepspeed", "--num_gpus", "8", "launch/train.py"]
+    cfg, _ = parse_args(command[4:])
+    assert (cfg.base.model, cfg.data.seq_len, cfg.parallel.sp_size, cfg.parallel.ring_size) == (
+        str(tmp_path), 65536, 8, "2")
+    for name in ("model states", "checkpoints", "layer working set", "all-to-all buffers", "optimizer offload"):
+        assert re.search(rf"  {name} +[\d.]+ GiB  {re.escape(LABELS[name])}\n", out), name
+    assert main(["--gpus", "16", "--", "--model_config", "qwen3-4b", "--seq_len", "32768"]) == 0
+    command = shlex.split(capsys.readouterr().out.split("run it:\n")[1].strip())
+    assert command[:8] == ["deepspeed", "--num_nodes", "2", "--hostfile", "HOSTFILE", "--num_gpus", "8",
+                           "launch/train.py"] and parse_args(command[8:])[0].data.seq_len == 32768

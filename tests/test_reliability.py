@@ -142,6 +142,70 @@ def test_a_second_ctrl_c_during_the_first_ones_message_stops_at_once(monkeypatch
         stop.restore()
 
 
+def test_a_ctrl_c_after_the_watchdog_saw_the_launcher_go_is_the_first_one(monkeypatch, capfd):
+    """Under DeepSpeed's launcher a Ctrl-C also ends the `deepspeed` command; a rank whose watchdog saw it gone
+    before the rank ran its SIGINT handler took that Ctrl-C for a second one: `stopped: SIGINT (nothing to save)`,
+    exit 130, the finished step lost. A second Ctrl-C is now a second SIGINT."""
+    from ulysses_train.train.faults import Interrupted, StopFlag
+
+    stop = StopFlag()
+    try:
+        stop.armed = True
+        monkeypatch.setenv("RANK", "0")
+        stop.request("the launcher was stopped")  # the watchdog's thread
+        stop._on_signal(signal.SIGINT, None)
+        stop._on_signal(signal.SIGTERM, None)  # DeepSpeed's launch.py passes it on
+        assert stop.requested and stop.reason == "SIGINT received"
+        assert capfd.readouterr().err.count("SIGINT: finishing the current step and saving; Ctrl-C again") == 1
+        with pytest.raises(Interrupted):
+            stop._on_signal(signal.SIGINT, None)
+    finally:
+        stop.restore()
+
+
+def _last_lines_until(stream, text: str) -> str:
+    """What `stream` gives up to the line holding `text` (the run's log as it comes)."""
+    seen = ""
+    while text not in seen:
+        line = stream.readline()
+        assert line, seen[-3000:]  # the run ended first
+        seen += line
+    return seen
+
+
+def test_ctrl_c_and_sigterm_under_the_deepspeed_launcher_save_the_step_once(tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to the `deepspeed` command, its launch.py and the ranks: their process
+    group) and SIGTERM to them all (a scheduler, `kill -- -PGID`): every rank finishes the step under way (3), saves
+    it once, and the next launch resumes from it. The ranks are held at step 3 as inside a long kernel
+    (ULYSSES_TRAIN_FAULT=busy_at:3: their signal handlers run once the watchdog has seen the `deepspeed` command
+    go), the order that lost the step to "nothing to save". The `deepspeed` command itself dies of the signal (its
+    runner has no handler on one node: DeepSpeed's, not ours)."""
+    from tests.trainer_runs import metrics, run
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        out, name = tmp_path / signum.name, signum.name
+        proc = subprocess.Popen(deepspeed_launcher(2) + [TRAIN, "--steps", "6", "--dist_timeout", "20",
+                                                        "--output_dir", str(out)] + COMMON,
+                                cwd=ROOT, env=child_env() | {"ULYSSES_TRAIN_FAULT": "busy_at:3"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        seen = _last_lines_until(proc.stdout, "busy at step 3")
+        assert [r["step"] for r in metrics(out)] == [1, 2]  # steps 1 and 2 finished, 3 under way
+        os.killpg(proc.pid, signum)
+        text = seen + proc.communicate(timeout=HANG_GUARD_S)[0]
+        assert proc.returncode == -signum, text[-3000:]
+        assert f"{name}: finishing the current step and saving" in text, text[-3000:]
+        assert f"{name} received: saved step 3, exiting" in text and "nothing to save" not in text, text[-3000:]
+        assert text.count("saved checkpoint ") == 1 and "error:" not in text, text[-3000:]
+        assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+        saved = out / "checkpoints" / "step_00000003"
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000003"]
+        assert (saved / "COMPLETE").exists() and sorted(p.name for p in (saved / "rng").iterdir()) == \
+            ["rank_0.pt", "rank_1.pt"]  # every rank saved its part
+    resumed = run(deepspeed_launcher(2), COMMON + ["--steps", "6", "--dist_timeout", "20", "--resume", "auto"],
+                  tmp_path / "SIGINT")
+    assert "at step 3" in resumed.stdout and [r["step"] for r in metrics(tmp_path / "SIGINT")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_killing_the_deepspeed_command_stops_and_saves(tmp_path):
     """`kill <pid>` of the `deepspeed` command the user started: its launch.py and the ranks would train on,
     orphaned; the ranks notice, save after the current step and exit 0."""

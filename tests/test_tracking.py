@@ -2,7 +2,8 @@
 
 One run from a YAML config (with a command-line override) logs to TensorBoard, Weights & Biases (offline) and
 MLflow (a local file store); the test reads each tracker's own files back and finds every step's loss of
-metrics.jsonl there. The run is then resumed for two more steps: the same wandb and MLflow runs continue."""
+metrics.jsonl there. The run stops after step 3 with its checkpoint at step 2, and is resumed for three more
+steps: the same wandb and MLflow runs continue, and every tracker holds each step once."""
 
 import glob
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from tests.trainer_runs import ROOT, TRAIN, child_env, metrics
+from tests.wandb_files import wandb_records
 from ulysses_train.errors import ConfigError
 from ulysses_train.train.config import parse_args
 from ulysses_train.train.tracking import parse_report_to
@@ -30,21 +32,43 @@ def _train(args, tmp_path, env=None):
     return proc
 
 
-def _tensorboard_losses(out) -> list[float]:
+def _tensorboard_steps(out) -> list[tuple[int, float]]:
+    """(step, loss) as TensorBoard shows them: its own reader, which drops what a resumed run's purge step orphans."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
-    return [e.value for e in acc.Scalars("train/loss")]
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
 
 
-def _mlflow_losses(out) -> tuple[list[float], dict]:
+def _tensorboard_losses(out) -> list[float]:
+    return [loss for _, loss in _tensorboard_steps(out)]
+
+
+def _mlflow_steps(out) -> tuple[list[tuple[int, float]], dict]:
     from mlflow.tracking import MlflowClient
 
     run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=f"file:{out / 'mlruns'}")
-    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
-    return [m.value for m in history], client.get_run(run_id).data.params
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: (m.step, m.timestamp))
+    return [(m.step, m.value) for m in history], client.get_run(run_id).data.params
+
+
+def _mlflow_losses(out) -> tuple[list[float], dict]:
+    history, params = _mlflow_steps(out)
+    return [loss for _, loss in history], params
+
+
+def _wandb_steps(out) -> list[int]:
+    """The steps of train/loss in every offline run folder, in the order they were logged."""
+    steps = []
+    for path in sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                if "train/loss" in items:
+                    steps.append(int(items["_step"]))
+    return steps
 
 
 def test_trackers_write_their_files_from_a_config_file_and_continue_on_resume(tmp_path, monkeypatch):
@@ -53,7 +77,7 @@ def test_trackers_write_their_files_from_a_config_file_and_continue_on_resume(tm
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"max_steps": 3, "seq_len": 512, "lr": 3e-3, "report_to": ["tensorboard", "wandb",
                                                                                                   "mlflow"],
-                                      "output_dir": str(out)}))
+                                      "save_steps": 2, "save_final": False, "output_dir": str(out)}))
     _train(["--config", str(config), "--seq_len", "128"], tmp_path)  # the command line wins over the file
     records = metrics(out)
     losses = [r["loss"] for r in records]
@@ -69,13 +93,42 @@ def test_trackers_write_their_files_from_a_config_file_and_continue_on_resume(tm
     assert (resolved.data.seq_len, resolved.optim.steps) == (128, 3)
     assert resolved.log.report_to == "tensorboard,wandb,mlflow"
 
-    _train(["--config", str(out / "config.yaml"), "--steps", "5", "--resume", "auto", "--resume_override", "steps"],
+    # step 3 was trained after the last checkpoint (step 2): the resumed run trains it again, and no tracker may
+    # show it twice (TensorBoard's reader kept both) nor lose a step
+    _train(["--config", str(out / "config.yaml"), "--steps", "6", "--resume", "auto", "--resume_override", "steps"],
            tmp_path)
-    resumed = [r["loss"] for r in metrics(out)]
-    assert len(resumed) == 5 and resumed[:3] == losses
-    assert _mlflow_losses(out)[0] == pytest.approx(resumed)  # the same MLflow run, two more steps
+    records = metrics(out)
+    resumed = [r["loss"] for r in records]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and resumed[:2] == losses[:2]
+    tensorboard, mlflow_history = _tensorboard_steps(out), _mlflow_steps(out)[0]
+    assert [step for step, _ in tensorboard] == [1, 2, 3, 4, 5, 6]
+    assert [loss for _, loss in tensorboard] == pytest.approx(resumed)  # the resumed run's step 3
+    # the same MLflow run and wandb run id; their histories cannot be rewritten: step 3 keeps its first value
+    assert [step for step, _ in mlflow_history] == [1, 2, 3, 4, 5, 6]
+    assert [loss for _, loss in mlflow_history] == pytest.approx(losses + resumed[3:])
+    assert _wandb_steps(out) == [1, 2, 3, 4, 5, 6]
     assert len(glob.glob(str(out / "wandb" / "offline-run-*"))) == 2  # wandb resumes the run id in a new folder
     assert len({p.split("-")[-1] for p in glob.glob(str(out / "wandb" / "offline-run-*"))}) == 1
+
+
+def test_a_tracker_added_on_resume_gets_every_step_it_has_not_seen(tmp_path, monkeypatch):
+    """Only a continued run is spared the steps it holds: MLflow, first named on the resume, starts a run of its
+    own and gets the retrained step 3 (the stopped run logged 1-3, its checkpoint is step 2), which TensorBoard,
+    continued, shows with its new value."""
+    from ulysses_train.train.tracking import Trackers
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    before = Trackers(["tensorboard"], str(tmp_path), {"lr": 1}, resuming=False)
+    for step in (1, 2, 3):
+        before.log({"loss": float(step)}, step)
+    before.close()
+    after = Trackers(["tensorboard", "mlflow"], str(tmp_path), {"lr": 1}, resuming=True)
+    after.continue_after(2, 3)
+    for step in (3, 4):
+        after.log({"loss": step + 0.5}, step)
+    after.close()
+    assert _tensorboard_steps(tmp_path) == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]
+    assert _mlflow_steps(tmp_path)[0] == [(3, 3.5), (4, 4.5)]
 
 
 def test_report_to_and_config_file_errors_name_the_flag(tmp_path, capsys):

@@ -23,12 +23,12 @@ from .sp.all_to_all import all_to_all
 from .sp.attention import UlyssesAttention, register_ulysses_attention
 from .sp.groups import SequenceParallelGroups, init_distributed
 from .sp.sharding import shard_sequence
-from .train.api import TrainResult, train
+from .train.api import Trainer, TrainResult, train
 from .train.config import TrainConfig
 from .train.config_groups import (AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
                                   OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
 
-__all__ = ["TrainConfig", "TrainResult", "train", "ModelConfig", "DataConfig", "SFTConfig", "PreferenceConfig",
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "train", "ModelConfig", "DataConfig", "SFTConfig", "PreferenceConfig",
            "AdapterConfig", "OptimConfig", "ParallelConfig", "LeverConfig", "OutputConfig", "LogConfig", "EvalConfig",
            "VerifyConfig", "all_to_all", "UlyssesAttention", "register_ulysses_attention",
            "fused_linear_cross_entropy", "global_token_count", "install_loss_head", "SequenceParallelGroups",

@@ -94,7 +94,7 @@ def check_heads(sp_size: int, q_heads: int, kv_heads: int, ring_size: int = 1) -
         return
     ring = sp_size // largest_ulysses(sp_size, q_heads, kv_heads)
     hint = (f"; or keep it with a ring over the rest: --ring_size {ring} (Ulysses {sp_size // ring} x ring {ring}), "
-            f"which --ring_size auto picks" if ring > ring_size else "")
+            f"which --ring_size auto (the default) picks" if ring > ring_size else "")
     if ring_size == 1:
         raise ConfigError(f"--sp_size {sp_size} {error}{hint}")
     raise ConfigError(f"--sp_size {sp_size} / --ring_size {ring_size} = Ulysses degree {ulysses} {error}{hint}")

@@ -1,11 +1,12 @@
 """`python -m ulysses_train.tools.flags_doc`: writes docs/flags.md, the reference of every flag of launch/train.py,
-from the trainer's own parser (`build_parser()` in train/config.py) and the field's names (train/aliases.py).
+from the trainer's own parser (`build_parser()` in train/config.py) and the field's names (train/aliases.py), and
+docs/field-keys.md, what each key of a TRL or axolotl config means here (train/field_keys.py).
 
 The page has one section per argument group of the parser, in the parser's order, and in it one row per flag: its
 canonical name, the other names that reach it, what it takes (a type or the choices), its default and its help. The
 field's names whose values are translated (`--bf16 true` is `--dtype bf16`) are flags of the parser too; they are
 listed once, in the aliases table, not among the flags. `--check` compares instead of writing (exit 1 when the page
-is stale); tests/test_flags_doc.py does the same, so the page cannot drift from the code.
+is stale); tests/test_flags_doc.py does the same, so the pages cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import os
 import re
 import sys
 
-from ..train import aliases
+from ..train import aliases, field_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "flags.md")
+KEYS_PAGE = os.path.join(ROOT, "docs", "field-keys.md")
 COMMAND = "python -m ulysses_train.tools.flags_doc"
 _DEFAULT = re.compile(r"\s*\(default: (.*)\)\s*$", re.S)
 _TOLD = re.compile(r"\s*Default: (.+?)\.(?=\s|$)")
@@ -106,10 +108,31 @@ def _alias_sections() -> list[str]:
     for alias in aliases.ALIASES:
         lines.append(f"| `--{alias.name}` | {_cell(alias.origin)} | `--{alias.flag}` | "
                      f"{_cell(alias.values or 'the same')} |")
-    lines += ["", "Settings of the field that have no counterpart here: a YAML file (or a dict given to `train`) "
-                  "holding one is refused with this reason.", "", "| name | instead |", "|---|---|"]
-    lines += [f"| `{name}` | {_cell(reason)} |" for name, reason in aliases.NO_COUNTERPART.items()]
+    lines += ["", "The other keys of TRL's and axolotl's configs, translated or refused with what to use instead, are "
+                  "listed in [field-keys.md](field-keys.md)."]
     return lines
+
+
+def render_field_keys() -> str:
+    """docs/field-keys.md: every key of the field's configs that this trainer reads, and what it means here."""
+    lines = ["# TRL and axolotl keys", "",
+             f"Generated from `ulysses_train/train/field_keys.py` by `{COMMAND}`; do not edit by hand. A YAML file "
+             "(`--config`) or a dict given to `train()` may hold the keys of TRL's `SFTConfig` and `DPOConfig` "
+             "(transformers' `TrainingArguments` with them, and the `ModelConfig` and `ScriptArguments` of TRL's "
+             "scripts) and of axolotl's configs. Each is read with its meaning here: the flags of the same name and "
+             "the aliases of [flags.md](flags.md#the-fields-names), and the keys below. A key set to null is not "
+             "set. Every key that has no meaning here is refused, all of them in one message, each with what to use "
+             "instead.", "",
+             "## Keys read with the rest of the file", "", "| key | meaning here |", "|---|---|"]
+    lines += [f"| `{name}` | {_cell(meaning)} |" for name, meaning in field_keys.CONTEXT_KEYS.items()]
+    lines += ["", "An axolotl `datasets:` entry is a `--dataset` entry: `path` and `split` as they are, `type` "
+                  "chat_template or sharegpt is `data_format: messages` and completion `data_format: text` (with "
+                  "`field` its text column), `field_messages` is `messages_field`, `roles` is `role_map`, and "
+                  "`message_property_mappings` is accepted when it names the keys read here (role or from, content "
+                  "or value).", "",
+              "## Keys", "", "| key | origin | meaning here |", "|---|---|---|"]
+    lines += [f"| `{key.name}` | {_cell(key.origin)} | {_cell(key.meaning)} |" for key in field_keys.KEYS]
+    return "\n".join(lines) + "\n"
 
 
 def render(parser: argparse.ArgumentParser | None = None) -> str:
@@ -130,18 +153,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=PAGE, help="where to write (default: docs/flags.md of this repository)")
     p.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 when the page is stale")
+    p.add_argument("--keys_out", default=KEYS_PAGE, help="where to write the field's keys (default: "
+                                                          "docs/field-keys.md)")
     a = p.parse_args(argv)
-    text = render()
-    if a.check:
-        current = open(a.out, encoding="utf-8").read() if os.path.exists(a.out) else ""
-        if current != text:
-            print(f"{a.out} is stale: regenerate it with {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    with open(a.out, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {a.out}")
-    return 0
+    stale = 0
+    for path, text in ((a.out, render()), (a.keys_out, render_field_keys())):
+        if a.check:
+            current = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+            if current != text:
+                print(f"{path} is stale: regenerate it with {COMMAND}", file=sys.stderr)
+                stale = 1
+            continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {path}")
+    return stale
 
 
 if __name__ == "__main__":

@@ -139,13 +139,10 @@ def default_sp_size(gpus: int) -> int:
 
 def default_flags(g: dict, seq_len: int, gpus: int, sp: Optional[int], gpu_mem: float, host_mem: float,
                   ds_choices: Optional[dict], ring: Optional[int] = None) -> str:
-    """What the trainer does with the default lever flags (and --ring_size 1 unless `ring` is given), and whether
-    that fits."""
-    sp, ring = sp or default_sp_size(gpus), ring or 1
-    if not valid_sp_sizes(gpus, g["heads"], g["kv"], sp) and ring == 1:
-        auto = resolve_ring_size("auto", sp, g["heads"], g["kv"])
-        return (f"with the default flags: --sp_size {sp} does not suit {g['heads']} heads / {g['kv']} KV heads "
-                f"without a ring (--ring_size {auto}, or auto)")
+    """What the trainer does with the default lever flags (and the default --ring_size auto unless `ring` is
+    given), and whether that fits."""
+    sp = sp or default_sp_size(gpus)
+    ring = ring or resolve_ring_size("auto", sp, g["heads"], g["kv"])
     levers = levers_for(LeverRequest(), g, seq_len, gpus, sp, gpu_mem, host_mem, ds_choices)
     est = estimate(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3), ring=ring)
     verdict = "fits" if fits(est, gpu_mem, host_mem) else "does not fit"
@@ -170,8 +167,51 @@ def predicted_time(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, ds
             f"--fastest)")
 
 
-def _table(rows) -> str:
-    return "\n".join(f"  {k:<22} {v / GiB:8.1f} GiB" for k, v in rows)
+# what each line of the breakdown holds, for a reader new to the planner (levers/memory.py computes them)
+LABELS = {
+    "model states": "this GPU's ZeRO-3 shard of the weights, gradients and optimizer states, and the gathered layer",
+    "checkpoints": "each checkpointed layer's input, kept for its recompute in the backward",
+    "kept attention": "attention outputs and log-sum-exp kept for the backward (--attn_recompute never)",
+    "layer working set": "one layer's activations while its forward and backward run",
+    "loss": "the fused loss's chunk of logits and its gradient",
+    "all-to-all buffers": "Ulysses' send and receive buffers (none at --sp_size 1)",
+    "ring buffers": "the ring's K/V blocks in flight and their gradients",
+    "uncheckpointed layers": "the activations of the layers --checkpoint_layers leaves whole",
+    "CUDA overhead": "the CUDA context, allocator and library workspaces",
+    "total (peak)": "the most in use at once (the loss and the layer working set never overlap)",
+    "optimizer offload": "optimizer states moved to the host by the DeepSpeed JSON (offload_optimizer)",
+    "offloaded checkpoints": "checkpoints and kept attention moved to the host (--offload_activations)",
+    "total": "with 4 GiB per rank for the process itself",
+    "all-to-all": "Ulysses' all-to-all traffic of one sequence, every layer, forward and backward",
+    "ring point-to-point": "the ring's K/V sends of one sequence (none without a ring)",
+}
+
+
+def _table(rows, unit: str = "GiB") -> str:
+    return "\n".join(f"  {k:<22} {v / GiB:8.1f} {unit}  {LABELS.get(k, LABELS.get(k.split(' (')[0], ''))}".rstrip()
+                     for k, v in rows)
+
+
+def launch_command(gpus: int, train_flags: list[str]) -> str:
+    """The command that starts the planned run on `gpus` GPUs (8 a node: more take a hostfile), copyable."""
+    import shlex
+
+    nodes = "" if gpus <= 8 else f"--num_nodes {math.ceil(gpus / 8)} --hostfile HOSTFILE "
+    return f"deepspeed {nodes}--num_gpus {min(gpus, 8)} launch/train.py " + " ".join(shlex.quote(f) for f in
+                                                                                     train_flags)
+
+
+def _planned_flags(a: argparse.Namespace, sp: int, ring: int, levers: Levers) -> list[str]:
+    """launch/train.py's flags for the plan: the model, the length, the layout and the levers that fit."""
+    flags = [f"--model {a.model}" if a.model else f"--model_config {a.model_config or 'tiny'}"]
+    flags += [f"--num_layers {a.num_layers}"] if a.num_layers else []
+    flags += [f"--seq_len {a.seq_len}", f"--sp_size {sp}", f"--ring_size {ring}" if ring > 1 else ""]
+    if a.use_peft:
+        flags += [f"--use_peft --lora_r {a.lora_r} --lora_target_modules {a.lora_target_modules}"]
+        flags += [f"--lora_modules_to_save {a.lora_modules_to_save}"] if a.lora_modules_to_save else []
+        flags += ["--load_in_4bit"] if a.load_in_4bit else []
+    flags += [levers.flags(a.ds_config)]
+    return " ".join(f for f in flags if f).split()
 
 
 def _gpu_rows(est: dict, levers: Levers) -> list:
@@ -332,6 +372,7 @@ def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Opti
     print(_table(list(est["host"].items()) + [("total", est["host_total"])]))
     print("sent per sequence and rank:")
     print(_table(est["sent_per_sequence"].items()))
+    print("run it:\n  " + launch_command(a.gpus, _planned_flags(a, sp, est["ring_size"], levers)))
     return 0
 
 

@@ -266,9 +266,12 @@ def main(plan_args, train_argv: list[str]) -> int:
         print(f"longest sequence that fits: {seq_len:,} tokens" + (" (some plan of the search)" if plan_args.fastest
                                                                     else " (the command's levers as they resolve)"))
         train_argv = train_argv + ["--seq_len", str(seq_len)]
+    from .plan import launch_command
+
     c = command(train_argv, machine)
     print(report(evaluate(c, machine, constants), c, machine))
     if not plan_args.fastest:
+        print("run it:\n  " + launch_command(machine.gpus, train_argv))
         return 0
     plans = fastest(c, machine, constants)
     if not plans:
@@ -277,4 +280,6 @@ def main(plan_args, train_argv: list[str]) -> int:
     print(f"\nfastest that fit on {machine.gpus} GPU(s) (time per sequence; constants: {constants.name}):")
     for plan in plans[:TOP]:
         print("  " + describe(plan, c, machine))
+    print("run the fastest:\n  " + launch_command(machine.gpus, train_argv + describe(plans[0], c, machine).split(
+        "  ")[-1].split()))  # its flags last: they win over the command's
     return 0

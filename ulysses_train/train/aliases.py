@@ -4,9 +4,10 @@ canonical name (ours: what `--help`, `config.yaml` and the checkpoints use); an 
 the few whose values differ are translated (`bf16: true` is `dtype: bf16`). Names the field and we share (`seed`,
 `output_dir`, `warmup_ratio`, `lr_scheduler_type`, `adam_beta1`, ...) are flags of their own and need no alias.
 
-A YAML file, a dict given to the Python API or its keyword arguments are read by name first: every key that is
-neither a flag nor an alias is named at once, each with the nearest flag (or why the field's setting has no
-counterpart here), and two keys that name one flag are an error.
+A YAML file, a dict given to the Python API or its keyword arguments are read by name first: the field's other keys
+are translated or refused (field_keys.py, field_files.py), every key that is neither a flag nor an alias is named at
+once with them, each with the nearest flag (or why the field's setting has no counterpart here), and two keys that
+name one flag are an error.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ class Alias:
     values: str = ""  # how its values read as ours (the docs' table), when they differ
 
 
+def _bf16(value) -> str:
+    """transformers' bf16 (true/false) and axolotl's (also auto: bf16 where the device has it)."""
+    return "auto" if str(value).strip().lower() == "auto" else "bf16" if _as_bool(value) else "fp32"
+
+
+def _truncation(value) -> str:
+    """TRL's truncation_mode: keep_start cuts the end (ours: right), keep_end the start (left)."""
+    modes = {"keep_start": "right", "keep_end": "left"}
+    if value not in modes:
+        raise ConfigError(f"expected keep_start or keep_end, got {value!r}")
+    return modes[value]
+
+
 ALIASES = (
     Alias("learning_rate", "lr", "transformers"),
     Alias("max_seq_length", "seq_len", "TRL (before 0.20)"),
@@ -62,8 +76,8 @@ ALIASES = (
     Alias("num_train_epochs", "epochs", "transformers"),
     Alias("num_epochs", "epochs", "axolotl"),
     Alias("logging_steps", "log_every", "transformers"),
-    Alias("bf16", "dtype", "transformers", lambda v: "bf16" if _as_bool(v) else "fp32",
-          "true: `--dtype bf16`; false: `--dtype fp32`"),
+    Alias("bf16", "dtype", "transformers, axolotl", _bf16,
+          "true: `--dtype bf16`; false: `--dtype fp32`; auto (axolotl's): `--dtype auto`"),
     Alias("dataset_text_field", "text_column", "TRL"),
     Alias("assistant_only_loss", "loss_on", "TRL", lambda v: "assistant" if _as_bool(v) else "auto",
           "true: `--loss_on assistant`; false: `--loss_on auto` (which trains assistant turns of messages: TRL's "
@@ -73,26 +87,33 @@ ALIASES = (
     Alias("resume_from_checkpoint", "resume", "transformers", _resume,
           "true: `--resume auto`; false: none; a path: that checkpoint"),
     Alias("model_name_or_path", "model", "TRL"),
+    Alias("base_model", "model", "axolotl"),
+    Alias("tokenizer_config", "tokenizer", "axolotl"),
     Alias("dataset_name", "dataset", "TRL"),
-    Alias("datasets", "dataset", "axolotl", values="a list of datasets: a mixture (see \"Mixtures\")"),
+    Alias("datasets", "dataset", "axolotl", values="a list of datasets: a mixture (see \"Mixtures\"); in a YAML "
+                                                   "file, axolotl's entries (docs/field-keys.md)"),
+    Alias("dataset_train_split", "dataset_split", "TRL"),
+    Alias("dataset_streaming", "streaming", "TRL"),
     Alias("dataset_num_proc", "num_proc", "TRL"),
+    Alias("dataset_prepared_path", "data_cache_dir", "axolotl"),
     Alias("field_messages", "messages_field", "axolotl"),
+    Alias("chat_template_path", "chat_template", "TRL"),
+    Alias("truncation_mode", "truncation", "TRL", _truncation, "keep_start: `--truncation right`; keep_end: "
+                                                               "`--truncation left`"),
+    Alias("sample_packing", "packing", "axolotl"),
+    Alias("lr_scheduler", "lr_scheduler_type", "axolotl"),
+    Alias("cosine_min_lr_ratio", "min_lr_ratio", "axolotl"),
+    Alias("sequence_parallel_degree", "sp_size", "axolotl (before 0.12)"),
+    Alias("context_parallel_size", "sp_size", "axolotl"),
+    Alias("deepspeed", "ds_config", "transformers"),
+    Alias("ddp_timeout", "dist_timeout", "transformers"),
+    Alias("activation_checkpointing", "gradient_checkpointing", "transformers"),
+    Alias("activation_offloading", "offload_activations", "TRL, axolotl"),
+    Alias("use_tensorboard", "tensorboard", "axolotl"),
+    Alias("rl_beta", "beta", "axolotl"),
+    Alias("orpo_alpha", "beta", "axolotl", values="ORPO's odds-ratio weight (TRL's beta)"),
 )
 BY_NAME = {alias.name: alias for alias in ALIASES}
-
-# settings of transformers, TRL or axolotl that have no counterpart here, and what to do instead
-NO_COUNTERPART = {
-    "fp16": "fp16 is not supported: bf16 (--dtype bf16) or fp32",
-    "optim": "the optimizer is AdamW (--adam_beta1, --adam_beta2, --adam_epsilon, --weight_decay) or the "
-             "--ds_config JSON's",
-    "gradient_checkpointing_kwargs": "--gradient_checkpointing and --checkpoint_layers say what is checkpointed",
-    "per_device_eval_batch_size": "evaluation runs --micro_batch_size sequences per SP group",
-    "eval_strategy": "--eval_steps N evaluates every N steps (0: after the last step only)",
-    "save_strategy": "--save_steps N saves every N steps (0: the final save only)",
-    "logging_strategy": "--log_every N prints every N steps; metrics.jsonl gets every step",
-    "lr_scheduler_kwargs": "--min_lr_ratio sets where cosine and linear decays end",
-    "deepspeed": "--ds_config",
-}
 
 
 def names_of(flags: Iterable[str]) -> list[str]:
@@ -101,11 +122,9 @@ def names_of(flags: Iterable[str]) -> list[str]:
 
 
 def _nearest(key: str, names: list[str]) -> str:
-    if key in NO_COUNTERPART:
-        return NO_COUNTERPART[key]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
     if not close:  # a word in common (warmup_ratio_steps -> warmup_ratio) is closer than letters
-        words = set(key.split("_"))
+        words = set(key.split("_")) - {"use", "max", "num", "enable", "steps", "size"}  # too common to tell apart
         close = sorted(names, key=lambda n: (-len(words & set(n.split("_"))), n))[:1]
         close = close if close and words & set(close[0].split("_")) else []
     return f"nearest flag: --{canonical(close[0])}" if close else "no similar flag"
@@ -116,15 +135,17 @@ def canonical(name: str) -> str:
     return BY_NAME[name].flag if name in BY_NAME else name
 
 
-def check_keys(mapping: dict, flags: Iterable[str], where: str) -> dict:
+def check_keys(mapping: dict, flags: Iterable[str], where: str, refused: Iterable[tuple[str, str]] = ()) -> dict:
     """`mapping` with its keys as written (dashes read as underscores), after checking every one: all the keys
-    that are neither flags nor aliases in one ConfigError, each with the nearest flag; two keys that name one
+    that are neither flags nor aliases, and the `refused` ones (the field's keys without a counterpart:
+    field_files.py), in one ConfigError, each with the nearest flag or what to do instead; two keys that name one
     flag, another."""
     names = names_of(flags)
     written = [(str(key), str(key).replace("-", "_")) for key in mapping]
-    unknown = [key for _, key in written if key not in names or key == "config"]
+    unknown = list(refused) + [(key, _nearest(key, names)) for _, key in written if key not in names or
+                               key == "config"]
     if unknown:
-        listed = "; ".join(f"{key} ({_nearest(key, names)})" for key in unknown)
+        listed = "; ".join(f"{key} ({why})" for key, why in unknown)
         raise ConfigError(f"{where}: {len(unknown)} unsupported key{'s' * (len(unknown) > 1)}: {listed}")
     by_flag: dict[str, list[str]] = {}
     for original, key in written:  # seq-len and seq_len, steps and max_steps: one flag

@@ -13,6 +13,13 @@ before training `Interrupted`, anything else its own exception. When it returns 
 what it held (the engine, the process groups it created, the watchdog's thread, signal handlers, the output
 folder's lock, the launcher variables it set for a single process), so the interpreter goes on and can train again.
 `launch/train.py` is this function and exit codes (cli.py).
+
+`Trainer` holds a run open between calls, as transformers' Trainer does:
+
+    with Trainer("run.yaml", val_set_size=0.1) as trainer:
+        result = trainer.train()
+        trainer.evaluate()                 # {"eval_loss": ..., "eval_tokens": ...}, under SP like training's
+        trainer.save_model("outputs/model")  # a transformers folder (a PEFT adapter folder under --use_peft)
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from ..errors import ConfigError
 from .config import TrainConfig, config_from
 
 # the launcher variables a single process sets for itself (launcher.py), put back as they were after the run
@@ -100,6 +108,109 @@ def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
             del trainer
             gc.collect()  # the engine's cycles hold the groups (and their threads) until collected
     return result
+
+
+class Trainer:
+    """A run built and held until `close()` (or the end of a `with` block): `train()`, `evaluate()` and
+    `save_model(path)`, every rank calling each (module docstring). Settings as `train()` takes them."""
+
+    def __init__(self, config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **overrides):
+        from .trainer import Trainer as Run
+
+        cfg, explicit = config_from(config, overrides)
+        quiet_libraries()
+        self.config = copy.deepcopy(cfg)  # resolved by the run (--epochs, --evals_per_epoch)
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(launcher_environment())
+        try:
+            self._run = Run(self.config, explicit)
+        except BaseException:
+            self._held.close()
+            raise
+        self._held.callback(self._run.close)
+        self.step = self._run.start_step  # the last finished step (the resumed one before training)
+
+    def train(self) -> TrainResult:
+        """Trains from the last finished step to --steps (saving as the flags say) and returns what it did."""
+        from .loop import train as train_loop
+
+        run = self._live()
+        result = TrainResult(self.config, history=train_loop(run))
+        result.stopped = run.stop.reason if run.stop.requested else None
+        self.step = result.history[-1]["step"] if result.history else self.step
+        _say_done(run, result)
+        result.checkpoint = run.checkpoint
+        run.barrier()
+        return result
+
+    def evaluate(self) -> dict:
+        """The eval set's loss at the current weights ({"eval_loss", "eval_tokens", "eval_samples", ...}), under SP
+        as during training: --eval_dataset, or the share of --dataset that --val_set_size holds out."""
+        from .evaluate import evaluate
+
+        run = self._live()
+        if run.eval_source is None:
+            raise ConfigError("evaluate() needs an eval set: give eval_dataset, or val_set_size to hold out part of "
+                              "the dataset")
+        return evaluate(run, run.eval_source, self.config.eval.eval_samples)
+
+    def save_model(self, path: Union[str, os.PathLike], dtype: str = "auto") -> str:
+        """The weights of the last finished step as a transformers folder at `path` (under --use_peft, a PEFT
+        adapter folder): that step's checkpoint, saved now if it was not, exported as `python -m
+        ulysses_train.export` does. `path` must not hold files yet."""
+        import torch.distributed as dist
+
+        from ..tools.export import export
+        from .checkpoint import checkpoint_step
+
+        run, path = self._live(), os.fspath(path)
+        if run.checkpoint is None or checkpoint_step(run.checkpoint) != self.step:
+            if self.step == 0:
+                raise ConfigError("save_model() saves trained weights: call train() first")
+            run.save(self.step)
+        error = [None]
+        if run.rank == 0:
+            try:
+                with _plain_models(run):
+                    export(run.checkpoint, path, dtype)
+            except ConfigError as e:
+                error = [str(e)]
+        dist.broadcast_object_list(error, src=0)  # every rank raises rank 0's error, none waits for it
+        if error[0]:
+            raise ConfigError(error[0])
+        return path
+
+    def close(self) -> None:
+        """Releases the run (api.py's module docstring); idempotent."""
+        self._held.close()
+        self._run = None
+        gc.collect()  # the engine's cycles hold the groups (and their threads) until collected
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _live(self):
+        if self._run is None:
+            raise RuntimeError("this Trainer is closed")
+        return self._run
+
+
+@contextlib.contextmanager
+def _plain_models(run):
+    """transformers builds whole models (the export's), not ZeRO-3 partitions, while the run's setting is off."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    if run._hf_ds is None:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(run._hf_ds)
 
 
 def _say_done(trainer, result: TrainResult) -> None:

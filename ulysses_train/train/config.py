@@ -20,14 +20,14 @@ from ..data.messages import parse_role_map
 from ..data.mixture import dataset_entries
 from ..errors import ConfigError
 from ..levers.policy import LeverRequest
-from . import aliases
-from .config_groups import (FLAGS, GROUPS, AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
+from . import aliases, field_files, field_keys
+from .config_groups import (FLAGS, GROUPS, Settings, AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
                             OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
 from .ds_config import load_ds_config
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
     """Every setting of a run, by concern. Construct it with the groups you change, e.g.
     `TrainConfig(optim=OptimConfig(lr=1e-4), data=DataConfig(seq_len=4096))`, or from flat flag names with
     `TrainConfig.from_flags({"lr": 1e-4})`. `to_dict()` is flat (flag -> value: checkpoints' trainer_state.json and
@@ -53,12 +53,10 @@ class TrainConfig:
 
     @classmethod
     def from_flags(cls, values: dict) -> "TrainConfig":
-        """A config from flat flag names (the defaults for the others)."""
-        unknown = [name for name in values if name not in FLAGS]
-        if unknown:
-            raise TypeError(f"TrainConfig has no flag {', '.join(map(repr, unknown))}")
+        """A config from flat flag names or their aliases (`learning_rate`, `bf16=True`: aliases.py), the defaults
+        for the others. A name that is neither is a TypeError naming the nearest flag."""
         groups: dict[str, dict] = {name: {} for name in GROUPS}
-        for name, value in values.items():
+        for name, value in _flags_of(values).items():
             groups[FLAGS[name].group][name] = value
         return cls(**{name: GROUPS[name](**given) for name, given in groups.items()})
 
@@ -100,8 +98,7 @@ class TrainConfig:
         from .tracking import parse_report_to
 
         parse_report_to(self.log.report_to, self.log.tensorboard)  # an unknown tracker or a missing package
-        if not self.eval.eval_dataset and (self.eval.eval_steps or self.eval.eval_samples or self.eval.eval_split):
-            raise ConfigError("--eval_steps, --eval_samples and --eval_split need --eval_dataset")
+        self._validate_evaluation()
         self._validate_resume()
         self._validate_adapters()
         self._validate_checkpoint_layers()
@@ -131,6 +128,33 @@ class TrainConfig:
             raise ConfigError(f"--warmup_steps must be in [0, --steps={steps}], got {warmup}")
         if profile > steps:
             raise ConfigError(f"--profile_memory must be in [0, --steps={steps}], got {profile}")
+
+    def _validate_evaluation(self) -> None:
+        """An eval set is --eval_dataset or a share of --dataset (--val_set_size), not both."""
+        ev, output = self.eval, self.output
+        held_out = ev.val_set_size > 0
+        if held_out and ev.eval_dataset:
+            raise ConfigError("--val_set_size holds out part of --dataset as the eval set: leave --eval_dataset unset, "
+                              "or --val_set_size 0")
+        if held_out and self.pref.method != "sft":
+            raise ConfigError(f"--val_set_size is evaluated with the SFT loss; with --method {self.pref.method} leave it "
+                              f"unset")
+        if held_out and not self.data.dataset:
+            raise ConfigError("--val_set_size holds out part of --dataset: give --dataset")
+        if held_out and ev.val_set_size >= 1 and ev.val_set_size != int(ev.val_set_size):
+            raise ConfigError(f"--val_set_size must be a fraction under 1 or a whole number of samples, got "
+                              f"{ev.val_set_size}")
+        if ev.eval_split and not ev.eval_dataset:
+            raise ConfigError("--eval_split needs --eval_dataset")
+        if not (ev.eval_dataset or held_out) and (ev.eval_steps or ev.eval_samples or ev.evals_per_epoch):
+            raise ConfigError("--eval_steps, --evals_per_epoch and --eval_samples need an eval set: --eval_dataset or "
+                              "--val_set_size")
+        if ev.evals_per_epoch and ev.eval_steps:
+            raise ConfigError("--evals_per_epoch sets --eval_steps from the epoch's steps: give one of them")
+        if output.saves_per_epoch and output.save_steps:
+            raise ConfigError("--saves_per_epoch sets --save_steps from the epoch's steps: give one of them")
+        if (ev.evals_per_epoch or output.saves_per_epoch) and not self.data.dataset:
+            raise ConfigError("--evals_per_epoch and --saves_per_epoch count passes over --dataset: give --dataset")
 
     def _validate_checkpoint_layers(self) -> None:
         value = self.levers.checkpoint_layers
@@ -178,6 +202,28 @@ class TrainConfig:
                                   f"exported weights as --model)")
 
 
+def _flags_of(values: dict) -> dict:
+    """Flat flags and aliases as flags with their values (a translating alias's value read as ours)."""
+    flags, unknown = {}, []
+    for name, value in values.items():
+        alias = aliases.BY_NAME.get(name)
+        if alias is not None and alias.convert is not None:
+            value = alias.convert(value)
+            if value is None:
+                continue
+            value = FLAGS[alias.flag].type(value)
+        flag = aliases.canonical(name)
+        if flag not in FLAGS:
+            unknown.append(f"{name!r} ({aliases._nearest(name, aliases.names_of(FLAGS))})")
+        elif flag in flags:
+            raise TypeError(f"TrainConfig: two names of the flag {flag!r}: keep one")
+        else:
+            flags[flag] = value
+    if unknown:
+        raise TypeError(f"TrainConfig has no flag {', '.join(unknown)}")
+    return flags
+
+
 def check_bounds(cfg: TrainConfig) -> None:
     """Every number against its field's bounds (`_f`'s gt/ge/lt/le), after refusing nan and inf everywhere (nan
     passes every comparison); None is an unset default and passes."""
@@ -220,7 +266,7 @@ FREE_SETTINGS = frozenset({
     "overwrite_output_dir", "log_every", "progress", "tensorboard", "profile_memory", "num_proc", "data_cache_dir",
     "verify", "verify_seq_len", "skip_nonfinite", "sp_size", "pad_to_sp", "dist_timeout", "debug", "report_to",
     "config",
-    "eval_dataset", "eval_split", "eval_steps", "eval_samples",
+    "eval_dataset", "eval_split", "eval_steps", "eval_samples", "evals_per_epoch", "saves_per_epoch",
     "ring_size",  # the same attention, split another way
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "tiled_mlp",
@@ -410,11 +456,13 @@ def mapping_words(values: dict, where: str) -> list[str]:
         if str(key).replace("-", "_") in NOT_SETTINGS:
             raise ConfigError(f"{where}: {key!r} cannot be set in a config file (it holds training settings; "
                               f"python launch/train.py --help prints them)")
+    values, refused = field_files.translate(values)
     repeated = {name for name, flag in FLAGS.items() if flag.field.metadata["repeated"]}
     checker = build_parser(raise_errors=True)
     words = []
-    for key, value in aliases.check_keys(values, list(FLAGS), where).items():
+    for key, value in aliases.check_keys(values, list(FLAGS), where, refused).items():
         many = aliases.canonical(key) in repeated
+        value = _on_off(aliases.canonical(key), value)
         _refuse_nesting(where, key, value, many)
         these = aliases.value_words(key, value, repeated=many)
         try:
@@ -425,12 +473,20 @@ def mapping_words(values: dict, where: str) -> list[str]:
     return words
 
 
+def _on_off(flag: str, value):
+    """true/false for an auto/on/off flag (axolotl's `tiled_mlp: true`) is on/off."""
+    choices = FLAGS[flag].choices if flag in FLAGS else None
+    if isinstance(value, bool) and choices and "on" in choices and "true" not in choices:
+        return "on" if value else "off"
+    return value
+
+
 def _ungrouped(values: dict, where: str) -> dict:
     """A mapping with its groups' mappings (`data: {seq_len: 4096}`) opened into flat keys. A group's key holds a
     mapping whose keys are its own flags (or their aliases); a flag given both flat and in its group is refused."""
     flat = {}
     for key, value in values.items():
-        if key not in GROUPS or (not isinstance(value, dict) and key in aliases.NO_COUNTERPART):
+        if key not in GROUPS or (not isinstance(value, dict) and field_keys.is_field_key(key)):
             flat.setdefault(key, value)  # (transformers' `optim: adamw_torch` is theirs, named as such)
             continue
         if not isinstance(value, dict):
@@ -465,8 +521,19 @@ def config_file_words(path: str) -> list[str]:
 
 def _parse(parser: _Parser, sources: list[list[str]]) -> tuple[TrainConfig, set[str]]:
     given = vars(parser.parse_sources(sources))
-    explicit = {name for name in given if name in list(FLAGS)}
-    return TrainConfig.from_flags({name: given[name] for name in explicit}), explicit
+    given = {name: given[name] for name in given if name in FLAGS}
+    resolve_run_keys(given)
+    return TrainConfig.from_flags(given), set(given)
+
+
+def resolve_run_keys(given: dict) -> None:
+    """The flags whose meaning depends on the run, as TRL reads them: `max_length` is the sequence length of an SFT
+    run (SFTConfig's, --seq_len) and the longest side of a pair in preference training (DPOConfig's)."""
+    if "max_length" in given and given.get("method", "sft") == "sft":
+        length = given.pop("max_length")
+        if given.setdefault("seq_len", length) != length:
+            raise ConfigError(f"--max_length {length} is the sequence length of an SFT run (TRL's SFTConfig), but "
+                              f"--seq_len is {given['seq_len']}: keep one")
 
 
 def _read_config_file(path: str) -> dict:

@@ -5,6 +5,7 @@ parallelism, levers, output, logging, evaluation, verification), each field a co
 the Python API (train/config.py). Flag names are unique across the groups, and no group is named like a flag."""
 
 import dataclasses
+import difflib
 import os
 import typing
 from dataclasses import dataclass, field
@@ -34,8 +35,24 @@ def _f(default, help: str, *, gt=None, ge=None, lt=None, le=None, why: str = "",
     return field(default=default, metadata={"help": help, "bounds": bounds, "why": why, "repeated": repeated})
 
 
+class Settings:
+    """A group's (and TrainConfig's) attributes are its fields: setting another (`cfg.data.seq_lenn = 512`) is an
+    AttributeError naming the nearest field, not a setting silently ignored."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        fields = getattr(type(self), "__dataclass_fields__", {})
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}"
+                                 + (f" (did you mean {close[0]!r}?)" if close else
+                                    f"; its settings: {', '.join(fields)}"))
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Settings):
     """Model: the pretrained weights or the random initialisation, the precision, the rotary positions.
 
     `TrainConfig.base` (the flag --model is its path, so the group takes another name)."""
@@ -59,7 +76,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     """Data: what is read, how it is tokenized and cut into samples (data/ takes this group)."""
 
     dataset: Union[str, dict, list, None] = _f(None, "Training data: a hub id (datasets.load_dataset) or a local "
@@ -101,7 +118,7 @@ class DataConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(Settings):
     """SFT: which tokens are trained and how conversations are rendered and cut."""
 
     loss_on: Literal[LOSS_ON] = _f("auto", "Which tokens are trained. assistant: every assistant turn (content and "
@@ -116,7 +133,7 @@ class SFTConfig:
 
 
 @dataclass
-class PreferenceConfig:
+class PreferenceConfig(Settings):
     """Preference training: DPO, SimPO, ORPO on prompt/chosen/rejected pairs (train/preference.py)."""
 
     method: Literal[METHODS] = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference "
@@ -140,7 +157,7 @@ class PreferenceConfig:
 
 
 @dataclass
-class AdapterConfig:
+class AdapterConfig(Settings):
     """Adapters: LoRA and QLoRA with PEFT, under TRL's flag names (model/adapters.py takes this group)."""
 
     use_peft: bool = _f(False, "Train LoRA adapters (PEFT) on the frozen model instead of every weight: only the "
@@ -164,7 +181,7 @@ class AdapterConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Settings):
     """Optimisation: steps or epochs, the lr schedule, AdamW, clipping, accumulation."""
 
     steps: int = _f(30, "Optimizer steps to run.", gt=0)
@@ -195,15 +212,15 @@ class OptimConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Settings):
     """Parallelism: the sequence-parallel layout, the micro batch, the DeepSpeed JSON, the watchdog."""
 
     sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
                                 "world size; the rest is data parallel. Default: the ranks on one node.", gt=0)
-    ring_size: str = _f("1", "Ring attention degree inside each SP group: --sp_size ranks run as Ulysses (sp / ring "
-                        "consecutive ranks split the heads) x ring (K/V blocks passed around, zigzag balanced, exact, "
-                        "packing kept). A ring lifts the head-count limit (28 heads at --sp_size 8: --ring_size 2). "
-                        "auto: the largest Ulysses degree the heads allow.")
+    ring_size: str = _f("auto", "Ring attention degree inside each SP group: --sp_size ranks run as Ulysses (sp / "
+                        "ring consecutive ranks split the heads) x ring (K/V blocks passed around, zigzag balanced, "
+                        "exact, packing kept). A ring lifts the head-count limit (28 heads at --sp_size 8: a ring of "
+                        "2). auto: the largest Ulysses degree the heads allow (no ring when they divide --sp_size).")
     micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step. Default: the DS config's "
                                          "train_micro_batch_size_per_gpu, else 1.", gt=0)
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
@@ -214,7 +231,7 @@ class ParallelConfig:
 
 
 @dataclass
-class LeverConfig:
+class LeverConfig(Settings):
     """Memory and speed levers: kernels, checkpointing, recompute, tiling, offload (levers/ takes this group).
 
     They compute the same numbers (docs/verify.md checks them against transformers)."""
@@ -274,12 +291,14 @@ class LeverConfig:
                                              "with Triton installed, if a self-check against the ops they replace "
                                              "passes (else those ops, the reason logged). on: required. off: "
                                              "transformers' ops.")
+    tf32: bool = _f(False, "Let CUDA run fp32 matmuls and convolutions in TF32 (Ampere and newer; the bf16 ones are "
+                    "unchanged).")
     offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
                                    "prefetched back one layer ahead of the backward (GPU only).")
 
 
 @dataclass
-class OutputConfig:
+class OutputConfig(Settings):
     """Output and checkpoints: where the run writes, when it saves, how it resumes."""
 
     output_dir: str = _f("outputs/run", "Where metrics.jsonl (and TensorBoard logs) are written.")
@@ -287,6 +306,9 @@ class OutputConfig:
                                "their group's key (data: {seq_len: 4096}); the command line overrides it. The "
                                "resolved settings are written, grouped, to <output_dir>/config.yaml.")
     save_steps: int = _f(0, "Save a checkpoint every N optimizer steps (0: only the final one and on SIGTERM).", ge=0)
+    saves_per_epoch: Optional[int] = _f(None, "Save a checkpoint this many times per pass over --dataset (axolotl's "
+                                        "saves_per_epoch): --save_steps becomes the steps of an epoch / N, rounded "
+                                        "down (at least 1).", gt=0)
     save_final: bool = _f(True, "Save a checkpoint after the last step, so that a finished run leaves its weights.")
     save_total_limit: Optional[int] = _f(None, "Keep only the newest K complete checkpoints (the one just written "
                                          "always among them).", gt=0)
@@ -302,7 +324,7 @@ class OutputConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(Settings):
     """Logging: the step lines, the progress bar, the trackers, memory profiles, tracebacks."""
 
     log_every: int = _f(1, "Print a metrics line every N optimizer steps (metrics.jsonl gets every step).", gt=0)
@@ -322,19 +344,25 @@ class LogConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Evaluation: the validation loss on --eval_dataset."""
+class EvalConfig(Settings):
+    """Evaluation: the validation loss on --eval_dataset, or on a share of --dataset held out (--val_set_size)."""
 
     eval_dataset: Optional[str] = _f(None, "Validation data, in any form --dataset takes (the same format flags "
                                      "apply): its loss, at --seq_len under SP, goes to metrics.jsonl and the trackers "
                                      "every --eval_steps and after the last step.")
     eval_split: Optional[str] = _f(None, "Split of --eval_dataset. Default: --dataset_split.")
     eval_steps: int = _f(0, "Evaluate every N optimizer steps (0: only after the last step).", ge=0)
-    eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of --eval_dataset. Default: all.", gt=0)
+    eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of the eval set. Default: all.", gt=0)
+    val_set_size: float = _f(0.0, "Hold out part of --dataset as the eval set (axolotl's val_set_size): a fraction "
+                             "under 1 of its samples, or a number of samples; a fixed choice by --seed, the same "
+                             "whatever the layout, never trained on. 0: none.", ge=0)
+    evals_per_epoch: Optional[int] = _f(None, "Evaluate this many times per pass over --dataset (axolotl's "
+                                        "evals_per_epoch): --eval_steps becomes the steps of an epoch / N, rounded "
+                                        "down (at least 1).", gt=0)
 
 
 @dataclass
-class VerifyConfig:
+class VerifyConfig(Settings):
     """Verification: one step compared with plain transformers instead of training."""
 
     verify: bool = _f(False, "Check this run against plain transformers instead of training: one step of the run as "

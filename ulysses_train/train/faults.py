@@ -3,17 +3,22 @@
 SIGTERM (what SLURM sends before preempting or at the time limit), the first Ctrl-C, and the watchdog's "the
 launcher was stopped" only set a flag once training has started; the loop checks it after each optimizer step,
 agrees across ranks (any rank signalled -> all stop), saves a checkpoint and exits 0, so a requeued job resumes
-with `--resume auto`. A second Ctrl-C stops at once. Before training starts there is nothing to save: the signal
-interrupts the start-up (`Interrupted`).
+with `--resume auto`. A second Ctrl-C stops at once: a second SIGINT, not a Ctrl-C after another request. Under
+DeepSpeed's launcher a Ctrl-C also ends the `deepspeed` command at once, and the watchdog can see it gone before
+this rank runs its SIGINT handler (Python runs handlers between bytecodes, so a rank inside a long kernel or
+collective runs it late); that Ctrl-C is still the first one, and the stop is named after the signal. Before
+training starts there is nothing to save: the signal interrupts the start-up (`Interrupted`).
 
 `ULYSSES_TRAIN_FAULT` injects a fault, for tests and drills only: `raise:STEP:RANK` raises on one rank at the
 start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs rank 0 at the start of a step,
 `kill_in_save:STEP` SIGKILLs rank 0 in the middle of that step's checkpoint, `enospc_in_save:STEP` fails that
-save as a full disk would. Two hold a run where a test sends a signal, so that the outcome does not depend on how
+save as a full disk would. Three hold a run where a test sends a signal, so that the outcome does not depend on how
 fast the run is: `hold_at:STEP` waits at the start of that step, on every rank, until the rank is asked to stop
-(SIGTERM, Ctrl-C, the launcher gone), then goes on; `hold_in_save` waits in the middle of every checkpoint, on
-every rank, until a signal ends the process (a second Ctrl-C), and `hold_in_save:STEP` only in that step's (a run
-with an intact checkpoint and one being written).
+(SIGTERM, Ctrl-C, the launcher gone), then goes on; `busy_at:STEP` waits there as a rank inside a long kernel
+does, its signal handlers held back (SIGINT and SIGTERM blocked in the main thread), until the watchdog asks it to
+stop (the launcher gone), and prints `busy at step STEP` on rank 0 once it waits; `hold_in_save` waits in the
+middle of every checkpoint, on every rank, until a signal ends the process (a second Ctrl-C), and
+`hold_in_save:STEP` only in that step's (a run with an intact checkpoint and one being written).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class StopFlag:
 
     def __init__(self):
         self.requested, self.reason, self.armed = False, None, False
+        self.signalled = set()  # the signals handled while armed
+        self.stopping = threading.Event()  # set with `requested` (faults' busy_at waits on it)
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -64,12 +71,15 @@ class StopFlag:
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
         StopFlag.interrupted_by = name
-        if not self.armed or (signum == signal.SIGINT and self.requested):
+        if not self.armed or (signum == signal.SIGINT and signum in self.signalled):
             raise Interrupted(name)
-        first = not self.requested
-        # the flag before the message: a second Ctrl-C can run its handler inside this one (at any bytecode), and
+        first = not self.signalled
+        # counted before the message: a second Ctrl-C can run its handler inside this one (at any bytecode), and
         # must find the first one counted
-        self.request(f"{name} received")
+        self.signalled.add(signum)
+        if first:  # the signal names the stop, also when the watchdog saw its launcher go first
+            self.requested, self.reason = True, f"{name} received"
+            self.stopping.set()
         if first and os.environ.get("RANK", "0") == "0":
             again = "; Ctrl-C again stops at once" if signum == signal.SIGINT else ""
             os.write(2, f"{name}: finishing the current step and saving{again}\n".encode())
@@ -78,6 +88,7 @@ class StopFlag:
         """Stop after the current step and save (also from the watchdog's thread)."""
         if not self.requested:
             self.requested, self.reason = True, reason
+            self.stopping.set()
 
     def agreed(self, device) -> bool:
         """Collective: True on every rank if any rank was signalled. Then every rank also takes the reason of the
@@ -130,6 +141,19 @@ def _hold(until) -> None:
         time.sleep(HOLD_POLL_S)
 
 
+def _busy(step: int, rank: int, stop: "StopFlag") -> None:
+    """busy_at: this thread waits in C with SIGINT and SIGTERM blocked; the kernel gives them to another thread,
+    whose C handler marks them for Python, which runs their handlers here once the wait is over."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        if rank == 0:
+            os.write(2, f"busy at step {step}\n".encode())
+        stop.stopping.wait()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+
 def inject_at_step(step: int, rank: int, stop: "StopFlag" = None) -> None:
     """Called at the start of each (1-based) step."""
     fault = _fault()
@@ -137,6 +161,8 @@ def inject_at_step(step: int, rank: int, stop: "StopFlag" = None) -> None:
         return
     if fault[0] == "hold_at" and stop is not None:
         _hold(lambda: stop.requested)
+    if fault[0] == "busy_at" and stop is not None:
+        _busy(step, rank, stop)
     if fault[0] == "raise" and int(fault[2]) == rank:
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (ULYSSES_TRAIN_FAULT)")
     if fault[0] == "kill" and rank == 0:

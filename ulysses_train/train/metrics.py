@@ -66,12 +66,13 @@ def device_peak_gib(device: torch.device) -> float:
     return host_peak_gib()
 
 
-def records_up_to(path: str, step: int) -> list[str]:
-    """The lines of metrics file `path` up to `step`. A crash can leave the last line half written: it is dropped
-    with a warning (as is any other line that is not a JSON record), so that it never blocks a resume."""
+def records_up_to(path: str, step: int) -> tuple[list[str], int]:
+    """The lines of metrics file `path` up to `step`, and the last step the file holds (a run stopped after its
+    last checkpoint logged steps past it). A crash can leave the last line half written: it is dropped with a
+    warning (as is any other line that is not a JSON record), so that it never blocks a resume."""
     with open(path) as f:
         lines = f.readlines()
-    kept = []
+    kept, last = [], 0
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -80,9 +81,10 @@ def records_up_to(path: str, step: int) -> list[str]:
             where = "partial last line" if number == len(lines) else f"unreadable line {number}"
             print(f"warning: {path}: dropped its {where} ({line.strip()[:60]!r})", file=sys.stderr, flush=True)
             continue
+        last = max(last, step_of_line)
         if step_of_line <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
-    return kept
+    return kept, last
 
 
 def _pairs(record: dict) -> str:
@@ -97,7 +99,8 @@ class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, trackers=None, log_every: int = 1,
                  start_step: int = 0, progress: str = "auto"):
         """`trackers`: the run's started tracking.Trackers (or None); the logger sends them every record and closes
-        them with itself. `progress`: --progress (progress_mode)."""
+        them with itself; resumed (`start_step`), it tells them where the run goes on and which later steps the
+        stopped run had logged (Trackers.continue_after). `progress`: --progress (progress_mode)."""
         self.enabled, self.log_every, self.progress = enabled, log_every, progress_mode(progress)
         self.bar = self.file = None
         self.trackers = trackers
@@ -105,10 +108,13 @@ class MetricsLogger:
             return
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "metrics.jsonl")
+        logged = start_step
         if start_step and os.path.exists(path):  # resuming: keep the steps before the checkpoint, drop later ones
-            kept = records_up_to(path, start_step)
+            kept, logged = records_up_to(path, start_step)
             with open(path, "w") as f:
                 f.writelines(kept)
+        if start_step and trackers is not None:
+            trackers.continue_after(start_step, logged)
         self.file = open(path, "a" if start_step else "w")
         if self.progress == "bar":
             self.bar = progress_bar(total_steps, start_step)

@@ -9,7 +9,11 @@ Each works without a network, into the output folder, unless the user points it 
   keeps that backend in maintenance mode and refuses it unless `MLFLOW_ALLOW_FILE_STORE=true`, which we set for
   our own default only); experiment `MLFLOW_EXPERIMENT_NAME`, default ulysses-train.
 
-A resumed run continues the same wandb and MLflow runs: their ids are kept in `<output_dir>/trackers.json`. The
+A resumed run continues the same wandb and MLflow runs: their ids are kept in `<output_dir>/trackers.json`. Each
+tracker holds every step once across a resume (`Trackers.continue_after`): a run that stopped after its last
+checkpoint had logged steps past it, which the resumed run trains again. TensorBoard's event files take a purge
+step, after which its readers drop what the earlier files hold from that step on (and show the resumed run's
+values); wandb and MLflow histories cannot be rewritten, so those steps, already there, are not sent again. The
 packages come with the `[track]` extra (`pip install -e ".[track]"`); a tracker named without its package is a
 setting to change, said before any work.
 
@@ -60,8 +64,10 @@ class Trackers:
 
     def __init__(self, names: list[str], output_dir: str, config: dict, resuming: bool):
         self.names, self.output_dir = names, output_dir
+        self.held_up_to = 0  # the continued wandb and MLflow runs hold the steps up to this one (continue_after)
         self.ids_path = os.path.join(output_dir, "trackers.json")
         ids = self._saved_ids() if resuming else {}
+        self.continued = set(ids)  # the trackers whose run of before goes on (a new one holds no step)
         self.tb = self.wandb_run = self.mlflow = None
         if "tensorboard" in names:
             self.tb = self._start("tensorboard", self._start_tensorboard)
@@ -96,10 +102,19 @@ class Trackers:
             os.path.join(self.output_dir, "wandb")
         return f"{where} (WANDB_MODE {mode})"
 
-    def _start_tensorboard(self):
+    def _start_tensorboard(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
+        return SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=purge_step)
+
+    def continue_after(self, step: int, logged: int) -> None:
+        """A resumed run goes on after checkpoint `step`; the run before it logged up to step `logged`. TensorBoard
+        gets a writer whose purge step is `step + 1` (its readers then drop the earlier files' events from there
+        on); wandb and MLflow are not sent the steps up to `logged` again (module docstring)."""
+        if self.tb is not None:
+            self.tb.close()  # opened before the step was known: its file holds only its header
+            self.tb = self._start_tensorboard(purge_step=step + 1)
+        self.held_up_to = logged
 
     def _saved_ids(self) -> dict:
         try:
@@ -120,9 +135,11 @@ class Trackers:
     def _start_mlflow(self, config: dict, run_id: Optional[str]) -> str:
         import mlflow
 
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns")))
+            uri = "file:" + os.path.abspath(os.path.join(self.output_dir, "mlruns"))
+        mlflow.set_tracking_uri(uri)  # always: an earlier run in this process (the Python API) left its own set
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
         run = mlflow.start_run(run_id=run_id, run_name=None if run_id else os.path.basename(
             os.path.abspath(self.output_dir)))
@@ -137,10 +154,13 @@ class Trackers:
         if self.tb is not None:
             for key, value in numbers.items():
                 self.tb.add_scalar(key, value, step)
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and not self._holds("wandb", step):
             self.wandb_run.log(numbers, step=step)
-        if self.mlflow is not None:
+        if self.mlflow is not None and not self._holds("mlflow", step):
             self.mlflow.log_metrics(numbers, step=step)
+
+    def _holds(self, name: str, step: int) -> bool:
+        return name in self.continued and step <= self.held_up_to
 
     def close(self) -> None:
         if self.tb is not None:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..data.held_out import split_off
 from ..data.load import load_source
 from ..data.pair_packing import preference_batch
 from ..data.sources import SyntheticSource, build_batch, global_sample_index, sample_order
@@ -168,6 +169,7 @@ class Trainer:
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            self._allow_tf32(cfg.levers.tf32)
         use_bf16 = cfg.base.dtype == "bf16" or (cfg.base.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self.kernel = resolve_kernel(cfg.levers.attn_kernel, self.device.type, use_bf16, capability,
@@ -209,11 +211,16 @@ class Trainer:
             groups = self.groups
             self.resources.callback(lambda: destroy_process_groups(groups.own_groups()))
         self.tokenizer, self.source = self._prepare_data()
+        self.eval_source = None
+        if cfg.eval.val_set_size and not cfg.check.verify:
+            self.source, self.eval_source = split_off(self.source, cfg.eval.val_set_size, cfg.data.seed)
+            self.log(f"val_set_size {cfg.eval.val_set_size:g}: {self.eval_source.num_samples:,} samples held out as "
+                     f"the eval set, {self.source.num_samples:,} to train on")
+        self._per_epoch(parallel.dp_size)
         if steps_from_epochs:
             cfg.optim.steps = self._steps_of_epochs(parallel.dp_size)
             cfg.check_steps()
             plan()
-        self.eval_source = None
         if cfg.eval.eval_dataset and not cfg.check.verify:
             self.eval_source = load_source(cfg.data_settings(), cfg.eval.eval_dataset,
                                            cfg.eval.eval_split or cfg.data.dataset_split, self.seq_len,
@@ -256,6 +263,19 @@ class Trainer:
             "max_grad_norm": self.ds["gradient_clipping"], "dtype": "bf16" if use_bf16 else "fp32",
             "ds_config": raw_ds, "model_config": model_config_values(self.cfg.base.model_config)
             if self.cfg.base.model_config else None, **dataset_setting(self.cfg.data.dataset)})
+
+    def _per_epoch(self, dp_size: int) -> None:
+        """--evals_per_epoch and --saves_per_epoch as --eval_steps and --save_steps, from an epoch's steps."""
+        cfg = self.cfg
+        counts = [(name, getattr(group, f"{name}s_per_epoch"), group) for name, group in
+                  (("eval", cfg.eval), ("save", cfg.output)) if getattr(group, f"{name}s_per_epoch")]
+        if not counts:
+            return
+        epoch = math.ceil(self.source.num_samples / (self.micro * self.accum * dp_size))
+        for name, times, group in counts:
+            setattr(group, f"{name}_steps", max(1, epoch // times))
+            self.log(f"{name}s_per_epoch {times}: every {getattr(group, f'{name}_steps')} steps (an epoch is "
+                     f"{epoch} steps)")
 
     def _steps_of_epochs(self, dp_size: int) -> int:
         """--epochs passes over the training samples, in optimizer steps (the last one may be partial)."""
@@ -316,6 +336,16 @@ class Trainer:
         if freed:
             self.log(f"master weights share the model's partition: {freed / 2**30:.2f} GiB freed per rank")
         return engine
+
+    def _allow_tf32(self, allowed: bool) -> None:
+        """--tf32 for this run's fp32 matmuls and convolutions; the process's setting comes back after it."""
+        matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+        before = (matmul.allow_tf32, cudnn.allow_tf32)
+        matmul.allow_tf32 = cudnn.allow_tf32 = allowed
+
+        def restore():
+            matmul.allow_tf32, cudnn.allow_tf32 = before
+        self.resources.callback(restore)
 
     def _lock_output_dir(self) -> Optional[RunLock]:
         """Rank 0 holds the output folder's lock; its outcome is broadcast, so a folder in use stops every rank."""

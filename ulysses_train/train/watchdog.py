@@ -18,7 +18,8 @@ MASTER_ADDR:MASTER_PORT) whose timeout bounds every call.
 Launcher. `kill <pid>` of the `deepspeed` command kills that process only: its `launch.py` child and the ranks would
 train on, orphaned. Each rank notes its parent (the launcher: torchrun's agent, DeepSpeed's launch.py) and, under
 DeepSpeed's launcher, the `deepspeed` command above it; when either goes away the rank stops as on SIGTERM (the loop
-saves after the current step and exits 0).
+saves after the current step and exits 0). The watch looks every LAUNCHER_POLL_S (two reads of /proc), between
+heartbeats: the step saved is the one under way when the launcher went, not one a heartbeat later.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from typing import Callable, Optional
 
 DEFAULT_TIMEOUT_S = 600
+LAUNCHER_POLL_S = 0.2
 
 
 def _parent_of(pid: int) -> Optional[int]:
@@ -73,6 +75,7 @@ class Watchdog:
         self.watched = (rank + 1) % world
         launched = os.environ.get("ULYSSES_TRAIN_LAUNCHER", "single process") != "single process"
         self.chain = launcher_chain() if launched else []
+        self.poll_s = min(self.beat_s, LAUNCHER_POLL_S) if self.chain else self.beat_s
         self.launcher_gone = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ulysses-watchdog", daemon=True)
@@ -91,9 +94,11 @@ class Watchdog:
     def _run(self) -> None:
         store = self._store()
         last_seen, moved_at, store_ok_at = None, time.monotonic(), time.monotonic()
+        next_beat = time.monotonic()
         while not self._stopped.is_set():
             self._check_launcher()
-            if store is not None:
+            if store is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.beat_s
                 try:
                     store.add(f"ulysses/beat/{self.rank}", 1)
                     key = f"ulysses/beat/{self.watched}"
@@ -110,7 +115,7 @@ class Watchdog:
                 elif self.world > 1 and time.monotonic() - moved_at > self.timeout_s:
                     self._die(f"rank {self.watched} has not answered for {self.timeout_s:.0f} s (frozen, stopped or "
                               f"its host is gone): stopping every rank (--dist_timeout)")
-            self._stopped.wait(self.beat_s)
+            self._stopped.wait(self.poll_s)
 
     def _store(self):
         """A client of its own to the rendezvous store (MASTER_ADDR:MASTER_PORT, held by rank 0 or by torchrun's
