@@ -131,6 +131,10 @@ class PreferenceConfig:
                                    "max_length; a longer side is an error or cut by --truncation (left: the prompt's "
                                    "start, right: the completions' ends). Default: --seq_len / 2 (a row of --seq_len "
                                    "holds both sides of a pair).", gt=0)
+    max_prompt_length: Optional[int] = _f(None, "Preference pairs: the most tokens of a pair's prompt, TRL's "
+                                          "max_prompt_length: a longer prompt keeps its last tokens (its start is "
+                                          "cut from both sides, counted in the log), before --max_length applies. "
+                                          "Default: prompts whole.", gt=0)
     ref_model: Optional[str] = _f(None, "DPO's reference, a separate frozen model (TRL's ref_model): a pretrained "
                                   "folder or hub id with the parameters of --model's architecture. Its log-probs are "
                                   "computed once per dataset, its weights swapped into the model for that forward "

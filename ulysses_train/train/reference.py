@@ -249,6 +249,29 @@ def _load_reference(run, path: str, params: list) -> None:
                 dist.broadcast(param.data, src=0)
 
 
+_GEOMETRY = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def check_reference_config(path: str, model_config) -> None:
+    """--ref_model's config against the model's, before either is built: a model of another architecture or shape
+    is a ConfigError naming what differs (the weights' own check, `_mismatch`, runs when they are loaded)."""
+    from transformers import AutoConfig
+
+    from ..errors import ConfigError
+
+    try:
+        theirs = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--ref_model {path}: its config does not load: {str(e).strip()}") from None
+    ours, theirs = model_config.get_text_config(), theirs.get_text_config()
+    differ = [f"{k} {getattr(theirs, k, None)} against {getattr(ours, k, None)}" for k in _GEOMETRY
+              if getattr(theirs, k, None) != getattr(ours, k, None)]
+    if differ:
+        raise ConfigError(f"--ref_model {path} is not a model of the policy's architecture and shape "
+                          f"({'; '.join(differ[:3])}): give a reference of the same model family and size")
+
+
 def pretrained_weights(path: str, dtype: torch.dtype) -> dict:
     """name -> parameter of the pretrained model at `path`, loaded on this host in `dtype` outside ZeRO-3's
     zero.Init (tied weights once, as named_parameters gives them)."""
