@@ -42,6 +42,14 @@ def _resume(value) -> Optional[str]:
     return str(value)
 
 
+def _truncation_mode(value) -> str:
+    """TRL's truncation_mode: keep_start cuts the end (ours `right`), keep_end the start (`left`)."""
+    modes = {"keep_start": "right", "keep_end": "left"}
+    if str(value) not in modes:
+        raise ConfigError(f"truncation_mode {value!r}: TRL's values are keep_start and keep_end")
+    return modes[str(value)]
+
+
 @dataclass(frozen=True)
 class Alias:
     name: str  # as the field spells it
@@ -77,6 +85,8 @@ ALIASES = (
     Alias("datasets", "dataset", "axolotl", values="a list of datasets: a mixture (see \"Mixtures\")"),
     Alias("dataset_num_proc", "num_proc", "TRL"),
     Alias("field_messages", "messages_field", "axolotl"),
+    Alias("truncation_mode", "truncation", "TRL", _truncation_mode,
+          "keep_start: `--truncation right`; keep_end: `--truncation left`"),
 )
 BY_NAME = {alias.name: alias for alias in ALIASES}
 

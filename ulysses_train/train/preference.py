@@ -7,8 +7,14 @@ rows of pairs (data/pair_packing.py), shards them with their `segments`, and the
 ORPO's NLL by the step's chosen completion tokens). DeepSpeed's averaging is undone as for SFT. The metrics are
 TRL's: the means over the step's pairs of rewards/chosen, rewards/rejected, rewards/accuracies (chosen above
 rejected), rewards/margins, logps/chosen, logps/rejected (for SimPO and ORPO per-token means, as TRL's CPO and ORPO
-log them), and for ORPO nll_loss, log_odds_ratio and log_odds_chosen; `num_tokens` counts the scored completion
-tokens and `conversations` the pairs.
+log them), and for ORPO nll_loss, log_odds_ratio and log_odds_chosen; the means over the step's completion tokens
+of logits/chosen and logits/rejected (the vocabulary's mean logit on each side's tokens), entropy (both sides) and
+mean_token_accuracy (the chosen side's tokens that are the argmax), as TRL's DPOTrainer computes them (it averages
+each micro-batch's, here the step's tokens are weighed alike); `num_tokens` counts the scored completion tokens and
+`conversations` the pairs. --eval_dataset's pairs give the same metrics on the eval split (train/evaluate.py).
+
+Where the flags leave it to the data (`resolve_preference`), a dataset of `chosen` and `rejected` columns trains
+DPO, and preference rows are packed (several pairs a row, never attending to each other) unless --packing false.
 """
 
 from __future__ import annotations
@@ -19,15 +25,42 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..levers.preference_loss import PreferenceObjective, PreferenceSpec
+from ..levers.preference_loss import PreferenceObjective, PreferenceSpec, step_means
 from ..sp.sharding import shard_sequence
 from .loop import forward_backward
+
+
+_SFT_FORMAT_FLAGS = ("data_format", "text_column", "messages_field", "loss_on")
+
+
+def resolve_preference(cfg, explicit: set[str]) -> Optional[str]:
+    """What the flags leave to the data, settled before the checks (TrainConfig.validate): --method follows from
+    the dataset where it is unambiguous (one dataset with `chosen` and `rejected` columns and none of the SFT format
+    flags: DPO, as TRL's DPOTrainer reads such data), and preference rows are packed unless --packing is given.
+    Returns the log's line about a --method the data chose, or None."""
+    from ..data.corpus import peek_columns
+    from ..data.mixture import dataset_entries, is_mixture
+
+    note = None
+    data = cfg.data
+    if "method" not in explicit and data.dataset and not any(f in explicit for f in _SFT_FORMAT_FLAGS):
+        entries = dataset_entries(data.dataset)
+        if not is_mixture(entries):
+            columns = peek_columns(entries[0].path, entries[0].split or data.dataset_split) or []
+            if "chosen" in columns and "rejected" in columns:
+                cfg.pref.method = "dpo"
+                note = (f"--method dpo: --dataset {entries[0].path} holds preference pairs (columns `chosen` and "
+                        f"`rejected`); give --method simpo, orpo or sft to train otherwise")
+    if cfg.pref.method != "sft" and "packing" not in explicit:
+        data.packing = True  # several pairs a row; --packing false keeps one pair a row
+    return note
 
 
 def check_preference_flags(cfg) -> None:
     """The preference flags against each other and the rest (TrainConfig.validate calls it, after their bounds)."""
     pref, data = cfg.pref, cfg.data
-    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None, "ref_model": None}
+    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None,
+                "max_prompt_length": None, "ref_model": None}
     if pref.method == "sft":
         given = [f"--{k}" for k, v in defaults.items() if getattr(pref, k) != v]
         if given:
@@ -49,8 +82,10 @@ def check_preference_flags(cfg) -> None:
     if data.data_format != "auto" or cfg.sft.loss_on not in ("auto", "completion") or data.text_column:
         raise ConfigError(f"--method {pref.method} reads preference pairs (prompt/chosen/rejected) and scores their "
                           f"completions: leave --data_format, --loss_on and --text_column unset")
-    if cfg.eval.eval_dataset:
-        raise ConfigError(f"--eval_dataset is evaluated with the SFT loss; with --method {pref.method} leave it unset")
+    if pref.max_prompt_length is not None and pref.max_length is not None and \
+            pref.max_prompt_length >= pref.max_length:
+        raise ConfigError(f"--max_prompt_length {pref.max_prompt_length} leaves no token of completion in a side of "
+                          f"--max_length {pref.max_length}: lower it below --max_length")
     if pref.max_length is not None and 2 * pref.max_length > data.seq_len:
         raise ConfigError(f"--seq_len {data.seq_len} holds both sides of a pair: it must be at least 2 x --max_length "
                           f"({pref.max_length})")
@@ -107,8 +142,8 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
     if run.groups.dp_size > 1:  # every rank of an SP group holds the same stats: sum one per group
         dist.all_reduce(total, group=run.groups.dp_group)
         dist.all_reduce(stats, group=run.groups.dp_group)
-    pairs = max(1.0, float(counts[1]))
-    run.preference_stats = {k: float(v) if k == "nll_loss" else float(v) / pairs for k, v in zip(keys, stats)}
+    run.preference_stats = step_means({k: float(v) for k, v in zip(keys, stats)}, float(counts[1]),
+                                      float(counts[2]), float(counts[0]))
     return total, counts[:2], skipped
 
 

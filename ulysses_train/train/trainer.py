@@ -50,8 +50,8 @@ from .resume import (apply_optimizer_settings, apply_schedule, check_trained_sha
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
-from .preference import preference_spec
-from .reference import reference_logps
+from .preference import preference_spec, resolve_preference
+from .reference import check_reference_config, reference_logps
 from .launcher import exit_now
 from .preflight import preflight
 from .run_lock import RunLock
@@ -140,11 +140,14 @@ class Trainer:
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+        method_note = resolve_preference(cfg, explicit)  # --method from the data, packed pairs
         cfg.validate()
         preflight(cfg)  # model, tokenizer and dataset paths, before anything is loaded
         self.cfg, self.seq_len = cfg, verify_seq_len(cfg)
         self.model_config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
         self.model_config.use_cache = False
+        if cfg.pref.ref_model:  # before the data and the model: a reference that cannot stand in stops here
+            check_reference_config(cfg.pref.ref_model, self.model_config)
         base = cfg.base
         self.rope = configure_rope(self.model_config, base.rope_scaling, cfg.data.seq_len, base.rope_factor,
                                    base.rope_theta, base.rope_original_max_positions)
@@ -153,6 +156,8 @@ class Trainer:
         if self.owns_process_group:
             self.resources.callback(destroy_process_groups)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if method_note:
+            self.log(method_note)
         self.stop = StopFlag()
         self.resources.callback(self.stop.restore)
         self.lock = self._lock_output_dir()
