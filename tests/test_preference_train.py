@@ -202,8 +202,11 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     assert result["passed"] and result["reference_logps"]["compared"], result
     assert result["reference_logps"]["ours"] < 1e-6 and result["reference_logps"]["weights"] == \
         f"--ref_model {folders['B']}"
-    assert one["shallow"].startswith(f"--ref_model {folders['shallow']}: its parameters are not the model's")
-    assert one["missing"].startswith(f"--ref_model {tmp_path / 'no_such_model'}: cannot load it:"), one["missing"]
+    # refused before the data and the model are built: another shape from its config, a missing path at once
+    assert one["shallow"].startswith(f"--ref_model {folders['shallow']} is not a model of the policy's architecture "
+                                     f"and shape (num_hidden_layers 1 against "), one["shallow"]
+    assert one["missing"].startswith(f"--ref_model {tmp_path / 'no_such_model'}: no such file or folder"), \
+        one["missing"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -229,3 +232,73 @@ def test_ref_model_refuses_partitionings_it_cannot_put_back(zero):
     _check_restorable({"stage": 3, "offload_param": {"device": "cpu"}}, "B")
     with pytest.raises(ConfigError, match="leave those out of --ds_config"):
         _check_restorable({"stage": 3, **zero}, "B")
+
+
+def _default_runs(rank, world, runs, tmp):
+    """Each (name, argv) in turn: (metrics records, the method and packing the run resolved, metrics.jsonl's
+    records), or the ConfigError's message."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.loop import train
+    from ulysses_train.train.trainer import Trainer
+
+    out = {}
+    for name, argv in runs:
+        cfg, explicit = parse_args(argv + ["--output_dir", os.path.join(tmp, name)])
+        try:
+            trainer = Trainer(cfg, explicit)
+        except ConfigError as e:
+            out[name] = str(e)
+            continue
+        records = train(trainer)
+        if trainer.lock is not None:
+            trainer.lock.release()
+        with open(os.path.join(tmp, name, "metrics.jsonl")) as f:
+            logged = [json.loads(line) for line in f]
+        out[name] = (records, cfg.pref.method, cfg.data.packing, logged)
+    return out
+
+
+def test_pairs_train_dpo_packed_by_default_with_eval_and_trls_metrics(files):
+    """A dataset of prompt/chosen/rejected trains DPO without --method, its pairs packed several a row; at SP=2 the
+    packed run equals --packing false (one pair a row, the same pairs a step: no pair attends to another) and one
+    process, in the loss, the gradient norm, TRL's metrics and --eval_dataset's loss and metrics, which are in
+    metrics.jsonl under TRL's names. A dataset whose every pair has chosen == rejected is refused."""
+    from tests.sft_fixtures import write_jsonl
+
+    tmp = str(files["folder"])
+    folder = files["folder"]
+    six, four = write_jsonl(folder / "six.jsonl", _pairs(6)), write_jsonl(folder / "four.jsonl", _pairs(10)[6:])
+    same = write_jsonl(folder / "same.jsonl", [dict(p, rejected=p["chosen"]) for p in _pairs(3)])
+
+    def argv(cache, *extra, data=six):
+        return ["--dataset", data, "--tokenizer", files["tokenizer"], "--data_cache_dir",
+                os.path.join(tmp, f"cache_{cache}"), "--seq_len", "512", "--steps", "2", "--lr", "3e-3",
+                "--warmup_steps", "0", "--beta", "0.5", "--eval_dataset", four, "--eval_steps", "1", *extra]
+
+    two = run_distributed(_default_runs, 2, [
+        ("packed", argv("sp2", "--sp_size", "2")),
+        ("unpacked", argv("sp2", "--sp_size", "2", "--packing", "false", "--micro_batch_size", "6")),
+        ("same", argv("sp2", "--sp_size", "2", data=same))], tmp, use_deepspeed=True)[0]
+    one = run_distributed(_default_runs, 1, [("single", argv("single"))], tmp, use_deepspeed=True)[0]
+    packed, unpacked, single = two["packed"], two["unpacked"], one["single"]
+    assert packed[1:3] == ("dpo", True) and unpacked[1:3] == ("dpo", False)
+    trl_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+    for records, theirs in ((packed[0], unpacked[0]), (packed[0], single[0])):
+        for r, e in zip(records, theirs, strict=True):
+            assert r["conversations"] == e["conversations"] == 6 and r["num_tokens"] == e["num_tokens"]
+            assert r["loss"] == pytest.approx(e["loss"], rel=1e-5) and r["grad_norm"] == pytest.approx(
+                e["grad_norm"], rel=1e-4), (r, e)
+            for key in trl_names:  # at step 1 the rewards are 0 up to rounding: which side wins is noise
+                if key != "rewards/accuracies" or r["step"] > 1:
+                    assert r["preference"][key] == pytest.approx(e["preference"][key], rel=1e-4, abs=1e-5), \
+                        (r["step"], key)
+                assert r[f"eval_{key}"] == pytest.approx(e[f"eval_{key}"], rel=1e-4, abs=1e-5), (r["step"], key)
+            assert r["eval_loss"] == pytest.approx(e["eval_loss"], rel=1e-5) and r["eval_pairs"] == 4
+    first, last = packed[3]
+    assert abs(first["rewards/margins"]) < 1e-6 and first["eval_rewards/margins"] > 1e-4  # eval: after the update
+    assert last["eval_rewards/accuracies"] >= 0.0 and set(trl_names) <= set(last)
+    assert all(f"eval_{k}" in last for k in trl_names) and 0.0 <= last["mean_token_accuracy"] <= 1.0
+    assert last["entropy"] > 0 and last["logits/chosen"] != last["logits/rejected"]
+    assert two["same"].startswith(f"--dataset {same}: every one of its 3 pair(s) has the same chosen and rejected")

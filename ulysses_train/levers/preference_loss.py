@@ -84,6 +84,24 @@ def step_means(stats: dict, pairs: float, chosen_tokens: float, tokens: float) -
             for k, v in stats.items()}
 
 
+def pair_stats(terms: dict, token_sums: Optional[torch.Tensor] = None, nll: Optional[torch.Tensor] = None) -> dict:
+    """The sums over pairs of what TRL logs (`step_means` makes them means): from `pair_terms`' terms, the
+    per-sequence sums of `token_stats` (P, 2, 3) where they were taken, and ORPO's NLL."""
+    rewards, logps = terms["rewards"], terms["logps"]
+    stats = {"rewards/chosen": rewards[:, 0].sum(), "rewards/rejected": rewards[:, 1].sum(),
+             "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).sum(),
+             "rewards/margins": (rewards[:, 0] - rewards[:, 1]).sum(), "logps/chosen": logps[:, 0].sum(),
+             "logps/rejected": logps[:, 1].sum()}
+    if token_sums is not None:
+        t = token_sums
+        stats |= {"logits/chosen": t[:, 0, 0].sum(), "logits/rejected": t[:, 1, 0].sum(),
+                  "entropy": t[:, :, 1].sum(), "mean_token_accuracy": t[:, 0, 2].sum()}
+    if nll is not None:
+        stats |= {"nll_loss": nll.detach(), "log_odds_ratio": terms["log_odds_ratio"].sum(),
+                  "log_odds_chosen": terms["log_odds_chosen"].sum()}
+    return {k: float(v) for k, v in stats.items()}
+
+
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, without cancellation (the branch at -ln 2, as TRL's ORPO computes it)."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
@@ -157,22 +175,11 @@ class PreferenceObjective:
         """The micro-batch's share of the step's loss from the sequences' sums (P, 2) fp64; records `stats`."""
         terms = pair_terms(self.spec, sums, self.scored.to(sums.device), self.reference)
         loss = terms["losses"].sum() / self.pairs_total
+        nll = None
         if self.spec.method == "orpo":  # TRL's ORPO adds the chosen side's NLL, a mean over its tokens
             nll = -sums[:, 0].sum() / self.chosen_tokens_total
             loss = loss + nll
-        rewards, logps = terms["rewards"], terms["logps"]
-        stats = {"rewards/chosen": rewards[:, 0].sum(), "rewards/rejected": rewards[:, 1].sum(),
-                 "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).sum(),
-                 "rewards/margins": (rewards[:, 0] - rewards[:, 1]).sum(), "logps/chosen": logps[:, 0].sum(),
-                 "logps/rejected": logps[:, 1].sum()}
-        if self.token_sums is not None:
-            t = self.token_sums
-            stats |= {"logits/chosen": t[:, 0, 0].sum(), "logits/rejected": t[:, 1, 0].sum(),
-                      "entropy": t[:, :, 1].sum(), "mean_token_accuracy": t[:, 0, 2].sum()}
-        if self.spec.method == "orpo":
-            stats |= {"nll_loss": nll.detach(), "log_odds_ratio": terms["log_odds_ratio"].sum(),
-                      "log_odds_chosen": terms["log_odds_chosen"].sum()}
-        self.stats = {k: float(v) for k, v in stats.items()}
+        self.stats = pair_stats(terms, self.token_sums, nll)
         return loss
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:

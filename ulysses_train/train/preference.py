@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..data.pair_packing import preference_batch
 from ..errors import ConfigError
-from ..levers.preference_loss import PreferenceObjective, PreferenceSpec, step_means
+from ..levers.preference_loss import PreferenceObjective, PreferenceSpec, pair_stats, pair_terms, step_means
 from ..sp.sharding import shard_sequence
 from .loop import forward_backward
 
@@ -145,6 +147,60 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
     run.preference_stats = step_means({k: float(v) for k, v in zip(keys, stats)}, float(counts[1]),
                                       float(counts[2]), float(counts[0]))
     return total, counts[:2], skipped
+
+
+def evaluate_pairs(run, source, reference: Optional[np.ndarray], max_samples: Optional[int]) -> dict:
+    """--eval_dataset's pairs (train/evaluate.py's loop: forward only under SP, each DP group every dp-th
+    micro-batch, rows past the end run but not counted): the training objective's loss over the eval pairs (the
+    pair terms' mean; ORPO adds the chosen tokens' NLL mean) and the metrics TRL logs, as eval_<name>."""
+    from .shards import shard_batch
+
+    g, micro, spec = run.groups, run.micro, run.spec
+    n = source.num_samples if max_samples is None else min(source.num_samples, max_samples)
+    keys = spec.stat_keys()
+    totals = torch.zeros(5 + len(keys), dtype=torch.float64, device=run.device)  # see _eval_sums
+    run.engine.eval()
+    try:
+        with torch.no_grad():
+            for first in range(0, n, micro * g.dp_size):
+                indices = [first + g.dp_rank * micro + r for r in range(micro)]
+                rows = [source.get(min(i, n - 1)) for i in indices]
+                batch = preference_batch(rows, reference)
+                shard = shard_batch(run, batch)
+                objective = PreferenceObjective(spec, shard_segments(run, batch), batch["scored"].to(run.device),
+                                                batch.get("reference"),
+                                                sp_group=g.sp_group if g.sp_size > 1 else None)
+                run.engine(shard["input_ids"], shard["position_ids"], shard["labels"],
+                           torch.ones((), device=run.device), objective=objective)
+                counted = torch.tensor([i < n for i, row in zip(indices, rows) for _ in row.pairs], device=run.device)
+                if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
+                    totals += _eval_sums(spec, objective, counted, keys)
+    finally:
+        run.engine.train()
+    dist.all_reduce(totals)
+    losses, nll, pairs, chosen, tokens = totals[:5].tolist()
+    stats = dict(zip(keys, totals[5:].tolist()))
+    loss = losses / max(1.0, pairs)
+    if spec.method == "orpo":
+        stats["nll_loss"] = nll / max(1.0, chosen)
+        loss += stats["nll_loss"]
+    means = step_means(stats, pairs, chosen, tokens)
+    return {"eval_loss": loss if pairs else None, **{f"eval_{k}": v for k, v in means.items()},
+            "eval_tokens": int(tokens), "eval_samples": n, "eval_pairs": int(pairs),
+            "eval_micro_batches": -(-n // (micro * g.dp_size))}
+
+
+def _eval_sums(spec: PreferenceSpec, objective: PreferenceObjective, counted: torch.Tensor, keys: tuple):
+    """[pair losses, chosen sides' log-probs negated, pairs, chosen tokens, tokens, *stats] summed over a
+    micro-batch's `counted` pairs."""
+    sums, scored = objective.sums[counted], objective.scored[counted]
+    reference = None if objective.reference is None else objective.reference[counted]
+    terms = pair_terms(spec, sums, scored, reference)
+    nll = -sums[:, 0].sum()
+    stats = pair_stats(terms, objective.token_sums[counted], nll if spec.method == "orpo" else None)
+    head = [float(terms["losses"].sum()), float(nll), float(len(sums)), float(scored[:, 0].sum()),
+            float(scored.sum())]
+    return torch.tensor(head + [stats.get(k, 0.0) for k in keys], dtype=torch.float64, device=sums.device)
 
 
 def unpack_pairs(batch: dict) -> list[dict]:

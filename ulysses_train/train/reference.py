@@ -1,4 +1,5 @@
-"""DPO's reference log-probs: computed once per dataset by a forward pass under SP, cached beside the token store.
+"""DPO's reference log-probs: computed once per dataset by a forward pass under SP (a progress bar on rank 0),
+cached beside the token store; --eval_dataset's pairs get theirs in the same pass.
 
 The reference is the policy's initial weights (full fine-tuning: the weights the run starts from, before any
 checkpoint is loaded, so a resumed run's reference is still its start). Every pair's two sequence log-probs (the
@@ -10,9 +11,9 @@ length under SP (the rows split over the DP groups, as evaluation splits them), 
 
 The key is a digest of the reference weights themselves (every parameter, gathered under ZeRO-3: name, shape,
 dtype and an exact integer checksum of its bits, computed on the device), the model config (rotary scaling and the
-like change the forward) and --max_length / --truncation (they change the pairs); the token store's folder already
-keys the data, tokenizer and template. A second run on the same data and weights (another SP size, --packing or
-not, a resume) reads the file; any other weights compute their own.
+like change the forward) and --max_length / --max_prompt_length / --truncation (they change the pairs); the token
+store's folder already keys the data, tokenizer and template. A second run on the same data and weights (another
+SP size, --packing or not, a resume) reads the file; any other weights compute their own.
 
 A separate reference model (`--ref_model`, full fine-tuning only): its weights are swapped into the model for the
 reference pass (`reference_weights`) and the policy's put back after it, bit for bit: no second model is held on the
@@ -85,12 +86,13 @@ def weights_digest(named_parameters) -> str:
     return digest.hexdigest()
 
 
-def reference_key(run) -> tuple[str, dict]:
-    samples = run.source.samples
+def reference_key(run, samples, weights: str) -> tuple[str, dict]:
+    """The cache key of `samples`' reference log-probs under the weights whose digest is `weights`."""
     model = run.module.model
-    settings = {"format": REFERENCE_FORMAT, "weights": weights_digest(reference_parameters(model)),
+    settings = {"format": REFERENCE_FORMAT, "weights": weights,
                 "model_config": model.config.to_json_string(use_diff=False),
-                "max_length": samples.max_length, "truncation": samples.truncation, "pairs": samples.num_pairs}
+                "max_length": samples.max_length, "max_prompt_length": samples.max_prompt_length,
+                "truncation": samples.truncation, "pairs": samples.num_pairs}
     return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
 
 
@@ -102,15 +104,17 @@ def _read(path: str, pairs: int):
     return values if values.shape == (pairs, 2) and values.dtype == np.float64 and np.isfinite(values).all() else None
 
 
-def reference_logps(run) -> np.ndarray:
-    """(pairs, 2) float64: every pair's reference log-probs, from the cache or computed now (collective)."""
+def reference_logps(run, *sources) -> list[np.ndarray]:
+    """(pairs, 2) float64 for each source of pairs (the training data, --eval_dataset's): every pair's reference
+    log-probs, from the cache or computed now (collective), under one swap of --ref_model's weights."""
     with reference_weights(run):
-        return _cached_or_computed(run)
+        weights = weights_digest(reference_parameters(run.module.model))
+        return [_cached_or_computed(run, source, weights) for source in sources]
 
 
-def _cached_or_computed(run) -> np.ndarray:
-    samples = run.source.samples
-    key, settings = reference_key(run)
+def _cached_or_computed(run, source, weights: str) -> np.ndarray:
+    samples = source.samples
+    key, settings = reference_key(run, samples, weights)
     folder = os.path.join(samples.store.folder, "reference")
     path = os.path.join(folder, f"{key}.npy")
     found = [run.rank == 0 and _read(path, samples.num_pairs) is not None]
@@ -122,7 +126,7 @@ def _cached_or_computed(run) -> np.ndarray:
     if found[0]:
         raise RuntimeError(f"rank {run.rank} cannot read {path}, which rank 0 read: is --data_cache_dir shared?")
     start = time.perf_counter()
-    values = reference_pass(run)
+    values = reference_pass(run, source)
     seconds = time.perf_counter() - start
     if run.rank == 0:
         os.makedirs(folder, exist_ok=True)
@@ -138,18 +142,32 @@ def _cached_or_computed(run) -> np.ndarray:
     return values
 
 
-def reference_pass(run) -> np.ndarray:
-    """The forward pass over every row of the dataset (no gradient); each DP group takes every dp-th micro-batch.
+def _progress(run, total: int):
+    """Rank 0's bar over the reference pass's micro-batches (a pass over a large dataset takes minutes); nothing
+    where --progress is none or on the other ranks."""
+    from .metrics import progress_mode
+
+    if run.rank != 0 or progress_mode(run.cfg.log.progress) == "none":
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="reference log-probs", unit="batch", dynamic_ncols=True, mininterval=5)
+
+
+def reference_pass(run, source) -> np.ndarray:
+    """The forward pass over every row of `source` (no gradient); each DP group takes every dp-th micro-batch.
     Micro-batches past the last row repeat it and are not counted, so every rank takes part in every collective."""
-    g, micro, samples = run.groups, run.micro, run.source.samples
+    g, micro, samples = run.groups, run.micro, source.samples
     values = torch.zeros(samples.num_pairs, 2, dtype=torch.float64, device=run.device)
     rows = len(samples)
+    firsts = range(0, rows, micro * g.dp_size)
+    bar = _progress(run, len(firsts))
     run.engine.eval()
     try:
         with torch.no_grad(), reference_context(run.module.model):
-            for first in range(0, rows, micro * g.dp_size):
+            for first in firsts:
                 indices = [first + g.dp_rank * micro + r for r in range(micro)]
-                picked = [run.source.get(min(i, rows - 1)) for i in indices]
+                picked = [source.get(min(i, rows - 1)) for i in indices]
                 batch = preference_batch(picked)
                 shard = shard_batch(run, batch)
                 objective = PreferenceObjective(None, shard_segments(run, batch), batch["scored"],
@@ -159,7 +177,11 @@ def reference_pass(run) -> np.ndarray:
                 counted = torch.tensor([i < rows for i, row in zip(indices, picked) for _ in row.pairs])
                 if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
                     values[batch["pair_ids"][counted].to(run.device)] = objective.sums[counted.to(run.device)]
+                if bar is not None:
+                    bar.update(1)
     finally:
+        if bar is not None:
+            bar.close()
         run.engine.train()
     dist.all_reduce(values)
     return values.cpu().numpy()

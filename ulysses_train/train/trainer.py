@@ -235,7 +235,11 @@ class Trainer:
         self.resources.callback(release_engine, self.engine)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
         # DPO's reference: the weights before any checkpoint is loaded (train/reference.py)
-        self.reference = reference_logps(self) if self.spec is not None and self.spec.uses_reference else None
+        self.reference = self.eval_reference = None
+        if self.spec is not None and self.spec.uses_reference:
+            sources = [self.source] + ([self.eval_source] if self.eval_source is not None else [])
+            self.reference, *rest = reference_logps(self, *sources)
+            self.eval_reference = rest[0] if rest else None
         self.start_step = self._resume()
         # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
         after_engine = restore_fp32_buffers(self.module, self.dtype)
