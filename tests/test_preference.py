@@ -251,6 +251,65 @@ def test_flags_are_checked_before_anything_runs():
             cfg.validate()
 
 
+def test_method_and_packing_follow_from_the_data_unless_given(files):
+    """A dataset of chosen/rejected columns trains DPO without --method (the line for the log says so), with TRL's
+    --max_length and --max_prompt_length, and packed; a flag that says otherwise wins: --method, an SFT format flag,
+    --packing false; SFT data stays SFT. TRL's truncation_mode reads as --truncation."""
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.preference import resolve_preference
+
+    pairs = write_jsonl(files["folder"] / "resolve_pairs.jsonl", _string_rows())
+    implicit = write_jsonl(files["folder"] / "resolve_implicit.jsonl", _message_rows(implicit=True))
+    chats = write_jsonl(files["folder"] / "resolve_chats.jsonl", [{"messages": r["chosen"]} for r in
+                                                                  _message_rows(implicit=True)])
+
+    def resolved(*argv):
+        cfg, explicit = parse_args(list(argv))
+        note = resolve_preference(cfg, explicit)
+        cfg.validate()
+        return cfg.pref.method, cfg.data.packing, note
+
+    method, packing, note = resolved("--dataset", pairs, "--max_length", "200", "--max_prompt_length", "50")
+    assert (method, packing) == ("dpo", True)
+    assert note == (f"--method dpo: --dataset {pairs} holds preference pairs (columns `chosen` and `rejected`); "
+                    f"give --method simpo, orpo or sft to train otherwise")
+    assert resolved("--dataset", implicit)[:2] == ("dpo", True)
+    assert resolved("--dataset", pairs, "--packing", "false")[:2] == ("dpo", False)
+    assert resolved("--dataset", pairs, "--method", "simpo")[:2] == ("simpo", True)
+    assert resolved("--dataset", pairs, "--method", "sft", "--data_format", "text", "--text_column", "prompt") == \
+        ("sft", False, None)
+    assert resolved("--dataset", pairs, "--text_column", "prompt") == ("sft", False, None)
+    assert resolved("--dataset", chats) == ("sft", False, None)
+    cfg, _ = parse_args(["--dataset", pairs, "--truncation_mode", "keep_start"])
+    assert cfg.sft.truncation == "right"
+    with pytest.raises(ConfigError, match="truncation_mode 'middle': TRL's values are keep_start and keep_end"):
+        parse_args(["--dataset", pairs, "--truncation_mode", "middle"])
+
+
+def test_ref_model_is_checked_before_the_model_is_built(tmp_path):
+    """--ref_model: a path that is not there, and a model of another shape (from its config alone), are refused
+    before any weight is loaded."""
+    from transformers import AutoConfig
+
+    from tests.models import TINY
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.preflight import preflight
+    from ulysses_train.train.reference import check_reference_config
+
+    cfg, _ = parse_args(["--method", "dpo", "--dataset", str(tmp_path), "--ref_model", str(tmp_path / "none")])
+    with pytest.raises(ConfigError, match=rf"--ref_model {tmp_path / 'none'}: no such file or folder"):
+        preflight(cfg)
+    ours = AutoConfig.for_model("qwen3", **TINY["qwen3"])
+    AutoConfig.for_model("qwen3", **dict(TINY["qwen3"], hidden_size=2 * ours.hidden_size)).save_pretrained(
+        tmp_path / "wide")
+    ours.save_pretrained(tmp_path / "same")
+    check_reference_config(str(tmp_path / "same"), ours)
+    with pytest.raises(ConfigError, match=rf"--ref_model {tmp_path / 'wide'} is not a model of the policy's "
+                                          rf"architecture and shape \(hidden_size {2 * ours.hidden_size} against "
+                                          rf"{ours.hidden_size}\)"):
+        check_reference_config(str(tmp_path / "wide"), ours)
+
+
 # ---------------------------------------------------------------- the losses against TRL's trainers
 
 

@@ -2,7 +2,9 @@
 (loss, gradient norm, TRL's metrics; the reference log-probs computed under SP=4 and in one process agree),
 `--verify` passes for DPO (SP=2 x DP=2, two pairs a micro-batch), SimPO (Ulysses 2 x ring 2) and ORPO on
 conversational pairs (DPO's cached reference log-probs checked against plain transformers too), and a resumed DPO
-run computes its reference from the initial weights, not the checkpoint's.
+run finds its reference in the checkpoint under the initial weights' key, not the checkpoint's. Without --method a
+dataset of pairs trains DPO, packed by default, equal to --packing false and to one process, with --eval_dataset's
+loss and TRL's metrics.
 
 Two launches: four gloo ranks for the sharded runs, one for the single-process ones, each running several trainers
 in turn. Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
@@ -62,6 +64,7 @@ def _run(rank, world, runs, tmp):
         if trainer.lock is not None:
             trainer.lock.release()
         out[name] = (result, trainer.reference)
+        out[f"{name}/origins"] = getattr(trainer, "reference_origins", None)
     return out
 
 
@@ -111,13 +114,16 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     assert four["verify_dpo"][0]["reference_logps"]["ours"] < 1e-6
     assert "sp 2 x dp 2" in four["verify_dpo"][0]["setup"] and four["verify_dpo"][0]["sequences"] == 4
     assert "sp 4 (Ulysses 2 x ring 2)" in four["verify_simpo"][0]["setup"]
-    # the resumed run recomputed its reference (the cache was removed) from the initial weights: step 3 again
+    # the resumed run read its reference from the checkpoint (the cache was removed), under the key of the initial
+    # weights (the checkpoint's would be another): the same log-probs, step 3 again
     resumed, reference = one["resume_one"]
     assert [r["step"] for r in resumed] == [3]
+    assert one["dpo/origins"] == ["computed"] and one["resume_one/origins"] == ["checkpoint"]
     assert np.array_equal(reference, one["dpo"][1])
     assert resumed[0]["loss"] == pytest.approx(one["dpo"][0][2]["loss"], rel=1e-6)
-    cached = glob.glob(os.path.join(tmp, "cache_one", "*", "reference", "*.json"))
-    assert len(cached) == 1 and json.load(open(cached[0]))["pairs"] == 24
+    assert not glob.glob(os.path.join(tmp, "cache_one", "*", "reference", "*.npy"))  # removed, not computed again
+    kept = glob.glob(os.path.join(tmp, "dpo", "checkpoints", "step_00000002", "reference", "*.npy"))
+    assert len(kept) == 1 and np.array_equal(np.load(kept[0]), one["dpo"][1]) and np.load(kept[0]).shape == (24, 2)
 
 
 def _reference_runs(rank, world, runs, tmp):

@@ -15,6 +15,9 @@ like change the forward) and --max_length / --max_prompt_length / --truncation (
 store's folder already keys the data, tokenizer and template. A second run on the same data and weights (another
 SP size, --packing or not, a resume) reads the file; any other weights compute their own.
 
+Each checkpoint keeps the tables too (`<checkpoint>/reference/<key>.npy`): a resume whose data cache is gone (another
+machine, a cleaned cache) reads them there, under the same key, instead of computing them again.
+
 A separate reference model (`--ref_model`, full fine-tuning only): its weights are swapped into the model for the
 reference pass (`reference_weights`) and the policy's put back after it, bit for bit: no second model is held on the
 GPUs, and the key is that model's digest like any other.
@@ -33,6 +36,7 @@ import json
 import os
 import time
 import uuid
+from typing import Optional
 
 import numpy as np
 import torch
@@ -104,27 +108,46 @@ def _read(path: str, pairs: int):
     return values if values.shape == (pairs, 2) and values.dtype == np.float64 and np.isfinite(values).all() else None
 
 
-def reference_logps(run, *sources) -> list[np.ndarray]:
+def reference_logps(run, *sources, checkpoint: Optional[str] = None) -> list[np.ndarray]:
     """(pairs, 2) float64 for each source of pairs (the training data, --eval_dataset's): every pair's reference
-    log-probs, from the cache or computed now (collective), under one swap of --ref_model's weights."""
+    log-probs, from the cache, from the `checkpoint` the run resumes (its `reference/` folder: checkpoint_arrays),
+    or computed now (collective), under one swap of --ref_model's weights. Leaves `run.reference_tables`
+    ({key: values}, what the checkpoints keep) and `run.reference_origins` (where each came from)."""
+    run.reference_tables, run.reference_origins = {}, []
     with reference_weights(run):
         weights = weights_digest(reference_parameters(run.module.model))
-        return [_cached_or_computed(run, source, weights) for source in sources]
+        return [_cached_or_computed(run, source, weights, checkpoint) for source in sources]
 
 
-def _cached_or_computed(run, source, weights: str) -> np.ndarray:
+def checkpoint_arrays(run) -> dict:
+    """{relative path: values} of the reference tables a checkpoint keeps, so that a resume finds them without the
+    data cache (and without computing them from the initial weights again)."""
+    return {f"reference/{key}.npy": values for key, values in getattr(run, "reference_tables", {}).items()}
+
+
+def _found(run, paths: list[str], pairs: int) -> Optional[str]:
+    """The first of `paths` rank 0 reads as a table of `pairs`, agreed by every rank (they read it, or all compute)."""
+    found = [next((p for p in paths if _read(p, pairs) is not None), None) if run.rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = None) -> np.ndarray:
     samples = source.samples
     key, settings = reference_key(run, samples, weights)
     folder = os.path.join(samples.store.folder, "reference")
     path = os.path.join(folder, f"{key}.npy")
-    found = [run.rank == 0 and _read(path, samples.num_pairs) is not None]
-    dist.broadcast_object_list(found, src=0)  # every rank reads the file, or every rank computes
-    values = _read(path, samples.num_pairs) if found[0] else None
-    if values is not None:
-        run.log(f"reference: log-probs of {samples.num_pairs:,} pairs read from {path}")
+    kept = [os.path.join(checkpoint, "reference", f"{key}.npy")] if checkpoint else []
+    found = _found(run, [path] + kept, samples.num_pairs)
+    if found is not None:
+        values = _read(found, samples.num_pairs)
+        if values is None:
+            raise RuntimeError(f"rank {run.rank} cannot read {found}, which rank 0 read: is it on a shared "
+                               f"filesystem?")
+        run.log(f"reference: log-probs of {samples.num_pairs:,} pairs read from {found}")
+        run.reference_tables[key] = values
+        run.reference_origins.append("cache" if found == path else "checkpoint")
         return values
-    if found[0]:
-        raise RuntimeError(f"rank {run.rank} cannot read {path}, which rank 0 read: is --data_cache_dir shared?")
     start = time.perf_counter()
     values = reference_pass(run, source)
     seconds = time.perf_counter() - start
@@ -139,6 +162,8 @@ def _cached_or_computed(run, source, weights: str) -> np.ndarray:
     dist.barrier()
     run.log(f"reference: log-probs of {samples.num_pairs:,} pairs in {len(samples):,} rows computed in "
             f"{seconds:.1f} s (forward under SP), cached in {path}")
+    run.reference_tables[key] = values
+    run.reference_origins.append("computed")
     return values
 
 

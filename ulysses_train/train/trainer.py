@@ -51,7 +51,7 @@ from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
 from .preference import preference_spec, resolve_preference
-from .reference import check_reference_config, reference_logps
+from .reference import check_reference_config, checkpoint_arrays, reference_logps
 from .launcher import exit_now
 from .preflight import preflight
 from .run_lock import RunLock
@@ -238,7 +238,7 @@ class Trainer:
         self.reference = self.eval_reference = None
         if self.spec is not None and self.spec.uses_reference:
             sources = [self.source] + ([self.eval_source] if self.eval_source is not None else [])
-            self.reference, *rest = reference_logps(self, *sources)
+            self.reference, *rest = reference_logps(self, *sources, checkpoint=self.plan.checkpoint)
             self.eval_reference = rest[0] if rest else None
         self.start_step = self._resume()
         # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
@@ -427,7 +427,7 @@ class Trainer:
                  "config": self.cfg.to_dict(), "settings": self.settings}
         path = save_checkpoint(self.engine, self.cfg.output.output_dir, step, state, self.model_config, self.tokenizer,
                                self.rank, self.cfg.output.save_total_limit, adapters=self.adapters,
-                               base_model=self.cfg.base.model)
+                               base_model=self.cfg.base.model, arrays=checkpoint_arrays(self))
         self.log(f"saved checkpoint {path}")
         self.checkpoint = path
         if self.rank == 0 and step < self.cfg.optim.steps:
