@@ -22,7 +22,7 @@ from .shards import shard_batch
 
 
 def evaluate(run, source, max_samples: Optional[int]) -> dict:
-    if run.spec is not None:  # preference pairs: their loss and TRL's metrics (train/preference.py)
+    if getattr(run, "spec", None) is not None:  # preference pairs: their loss and TRL's metrics (train/preference.py)
         from .preference import evaluate_pairs
 
         return evaluate_pairs(run, source, run.eval_reference, max_samples)

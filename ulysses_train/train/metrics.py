@@ -140,8 +140,9 @@ class MetricsLogger:
             self.write(step_line(record) + _pairs(record))
         if "eval_loss" in record:
             loss = "none (no target)" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
+            evaluation = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
             self.write(f"step {record['step']:>5} | eval loss {loss} over {record['eval_tokens']:,} tokens of "
-                       f"{record['eval_samples']} samples")
+                       f"{record['eval_samples']} samples" + _pairs(evaluation))
 
     def write(self, message: str) -> None:
         """A line on the terminal (above the bar, if there is one)."""
