@@ -167,16 +167,32 @@ def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = N
     return values
 
 
-def _progress(run, total: int):
-    """Rank 0's bar over the reference pass's micro-batches (a pass over a large dataset takes minutes); nothing
-    where --progress is none or on the other ranks."""
-    from .metrics import progress_mode
+class _Progress:
+    """The reference pass's progress on rank 0 (a pass over a large dataset takes minutes): a bar on a terminal, a
+    log line every tenth of the pass otherwise (--progress lines), nothing with --progress none."""
 
-    if run.rank != 0 or progress_mode(run.cfg.log.progress) == "none":
-        return None
-    from tqdm.auto import tqdm
+    def __init__(self, run, total: int):
+        from .metrics import progress_mode
 
-    return tqdm(total=total, desc="reference log-probs", unit="batch", dynamic_ncols=True, mininterval=5)
+        self.mode = progress_mode(run.cfg.log.progress) if run.rank == 0 else "none"
+        self.run, self.total, self.done, self.start = run, total, 0, time.perf_counter()
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="reference log-probs", unit="batch", dynamic_ncols=True)
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.mode == "lines" and self.done < self.total and self.done % max(1, self.total // 10) == 0:
+            self.run.log(f"reference: {self.done:,} of {self.total:,} micro-batches in "
+                         f"{time.perf_counter() - self.start:.0f} s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def reference_pass(run, source) -> np.ndarray:
@@ -186,7 +202,7 @@ def reference_pass(run, source) -> np.ndarray:
     values = torch.zeros(samples.num_pairs, 2, dtype=torch.float64, device=run.device)
     rows = len(samples)
     firsts = range(0, rows, micro * g.dp_size)
-    bar = _progress(run, len(firsts))
+    progress = _Progress(run, len(firsts))
     run.engine.eval()
     try:
         with torch.no_grad(), reference_context(run.module.model):
@@ -202,11 +218,9 @@ def reference_pass(run, source) -> np.ndarray:
                 counted = torch.tensor([i < rows for i, row in zip(indices, picked) for _ in row.pairs])
                 if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
                     values[batch["pair_ids"][counted].to(run.device)] = objective.sums[counted.to(run.device)]
-                if bar is not None:
-                    bar.update(1)
+                progress.update()
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
         run.engine.train()
     dist.all_reduce(values)
     return values.cpu().numpy()
