@@ -205,7 +205,8 @@ def test_max_length_and_truncation(files):
     (c, tc), (r, tr) = _docs(store)[:2]
     limit = len(r) - 5
     with pytest.raises(ConfigError, match=r"1 preference pair\(s\) have a side .* longer than --max_length "
-                                          rf"{limit} \(row 0 of --dataset x; the longest has {len(r)} tokens\): raise --max_length .*"
+                                          rf"{limit} \(row 0 of --dataset x; the longest has {len(r)} tokens\): "
+                                          r"raise --max_length .*"
                                           r"--truncation left .*--truncation right"):
         _samples(store, 256, limit)
     left = _samples(store, 256, limit, "left").sample(0)  # the prompt's start, 5 tokens from both sides

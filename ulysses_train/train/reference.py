@@ -144,7 +144,7 @@ def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = N
         if values is None:
             raise RuntimeError(f"rank {run.rank} cannot read {found}, which rank 0 read: is it on a shared "
                                f"filesystem?")
-        run.log(f"reference: log-probs of {samples.num_pairs:,} pairs read from {found}")
+        run.log(f"reference: log-probs of {int((~samples.identical).sum()):,} pairs read from {found}")
         run.reference_tables[key] = values
         run.reference_origins.append("cache" if found == path else "checkpoint")
         return values
@@ -160,7 +160,7 @@ def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = N
             json.dump({**settings, "seconds": seconds, "rows": len(samples)}, f, indent=1)
         os.replace(tmp + ".npy", path)  # atomic: a reader sees the whole file or none
     dist.barrier()
-    run.log(f"reference: log-probs of {samples.num_pairs:,} pairs in {len(samples):,} rows computed in "
+    run.log(f"reference: log-probs of {int((~samples.identical).sum()):,} pairs in {len(samples):,} rows computed in "
             f"{seconds:.1f} s (forward under SP), cached in {path}")
     run.reference_tables[key] = values
     run.reference_origins.append("computed")
