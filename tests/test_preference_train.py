@@ -7,7 +7,7 @@ dataset of pairs trains DPO, packed by default, equal to --packing false and to 
 loss and TRL's metrics.
 
 Two launches: four gloo ranks for the sharded runs, one for the single-process ones, each running several trainers
-in turn. Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
+in turn (the test of the defaults has its own two, two ranks and one). Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
 the ranks."""
 
 import glob
@@ -77,7 +77,8 @@ def _argv(files, tmp, cache, method="dpo", data="pairs", *extra):
 def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     tmp = str(files["folder"])
     sharded = [("dpo_sp4", _argv(files, tmp, "sp4", "dpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
-               ("simpo_sp4", _argv(files, tmp, "sp4", "simpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
+               ("simpo_sp4", _argv(files, tmp, "sp4", "simpo", "pairs", "--sp_size", "4", "--grad_accum", "2",
+                                   "--eval_dataset", files["pairs"], "--eval_steps", "2")),
                ("verify_dpo", _argv(files, tmp, "chat", "dpo", "chats", "--sp_size", "2", "--verify",
                                     "--verify_seq_len", "256", "--micro_batch_size", "2", "--loss_type", "ipo")),
                ("verify_simpo", _argv(files, tmp, "chat", "simpo", "chats", "--sp_size", "4", "--ring_size", "2",
@@ -86,7 +87,8 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
                                      "--verify_seq_len", "256", "--loss", "plain"))]
     four = run_distributed(_run, 4, sharded, tmp, use_deepspeed=True)[0]
     single = [("dpo", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2")),
-              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2", "--save_final", "false")),
+              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2", "--save_final", "false",
+                              "--eval_dataset", files["pairs"], "--eval_steps", "2")),
               ("resume_one", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2",
                                    "--resume", os.path.join(tmp, "dpo", "checkpoints", "step_00000002")))]
     one = run_distributed(_run, 1, single, tmp, use_deepspeed=True)[0]
@@ -102,6 +104,10 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
                 e["grad_norm"], rel=1e-4), (ours, r, e)
             for key, value in e["preference"].items():
                 assert r["preference"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours, key)
+            evaluation = {k: v for k, v in e.items() if k.startswith("eval_")}  # SimPO's, at SP=4 as in one
+            assert bool(evaluation) == (ours == "simpo_sp4" and e["step"] in (2, 3)), (ours, e["step"])
+            for key, value in evaluation.items():
+                assert r[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours, key)
         if reference is not None:  # computed under SP 4 and in one process: the same log-probs
             assert np.allclose(reference, expected_reference, rtol=1e-6)
     assert four["dpo_sp4"][0][0]["preference"]["rewards/margins"] == 0.0  # the policy starts as the reference
