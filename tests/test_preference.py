@@ -52,10 +52,11 @@ def _docs(store):
     return [(store.tokens[s:e].tolist(), store.trained[s:e].tolist()) for s, e in zip(store.doc_starts, ends)]
 
 
-def _samples(store, seq_len=256, max_length=None, truncation="error", packing=False):
+def _samples(store, seq_len=256, max_length=None, truncation="error", packing=False, max_prompt_length=None):
     from ulysses_train.data.pair_packing import PreferenceSamples
 
-    return PreferenceSamples(store, seq_len, max_length or seq_len // 2, truncation, packing, 0)
+    return PreferenceSamples(store, seq_len, max_length or seq_len // 2, truncation, packing, 0, dataset="x",
+                             max_prompt_length=max_prompt_length)
 
 
 # ---------------------------------------------------------------- formats
@@ -108,17 +109,55 @@ def test_conversational_pairs_score_the_completion_as_sft_and_tokenize_as_trl(fi
             assert tokenizer.decode(ids[-1:]) == "\n"
 
 
-def test_rows_that_cannot_be_scored_are_errors_naming_the_pair(files):
-    rows = _string_rows()
-    cases = {"empty_chosen": (rows[:1] + [dict(rows[1], chosen="")], r"pair 1 .*the chosen completion is empty"),
-             "same": ([{"chosen": "a b", "rejected": "a b"}], r"pair 0 .*completion is empty"),
-             "no_prompt": ([{"prompt": "", "chosen": "Four.", "rejected": "Five."}], r"pair 0 .*the prompt is empty"),
+def test_bad_rows_are_errors_naming_the_file_row_and_field(files):
+    """Each bad row is named by --dataset, row and field, with the cause; the first row sets the format, so a file
+    whose later rows switch to message lists, or an int among strings, is named where it switches (and a strings
+    dataset needs no chat template: this tokenizer has none)."""
+    rows, messages = _string_rows(), _message_rows()
+    null_content = dict(messages[1], rejected=[{"role": "assistant", "content": None}])
+    cases = {"empty_chosen": (rows[:1] + [dict(rows[1], chosen="")], False,
+                              r"row 1: `chosen` has an empty completion"),
+             "no_prompt": ([{"prompt": "", "chosen": "Four.", "rejected": "Five."}], False,
+                           r"row 0: `prompt` is empty"),
              "mixed": ([{"prompt": "Hi?", "chosen": [{"role": "assistant", "content": "Yo."}], "rejected": "No."}],
-                       r"pair 0 .*all strings or all message lists"),
-             "columns": ([{"prompt": "Hi?", "completion": "Yo."}], r"--method dpo .*`chosen` and `rejected`")}
-    for name, (data, message) in cases.items():
-        with pytest.raises(ConfigError, match=message):
-            _store(files, data, f"bad_{name}", template=True)
+                       False, r"row 0: `prompt` is a str \('Hi\?'\), but the first row's `chosen` is a message list"),
+             "switch": (rows * 7 + messages * 7, False, r"row 21: `prompt` is a message list, but the first row's "
+                                                        r"`chosen` is a string: every value must be a string"),
+             "int": (rows + [dict(rows[0], chosen=5)], False, r"row 3: `chosen` is an int \(5\), but the first "
+                                                               r"row's `chosen` is a string"),
+             "null_content": (messages[:1] * 3 + [null_content], True,
+                              r"row 3: `rejected\[0\].content` is null: every message needs a string `content`"),
+             "no_role": (messages[:1] + [dict(messages[0], chosen=[{"content": "Yo."}])], True,
+                         r"row 1: `chosen\[0\].role` is null"),
+             "strings_after_messages": (messages[:2] + [rows[0]], True, r"row 2: `prompt` is a str \('What is two "
+                                                                         r"plus two\?'\), but the first row's "
+                                                                         r"`chosen` is a message list"),
+             "null": (rows + [dict(rows[0], rejected=None)], False, r"row 3: `rejected` is null"),
+             "columns": ([{"prompt": "Hi?", "completion": "Yo."}], False, r"--method dpo .*`chosen` and `rejected`")}
+    for name, (data, template, message) in cases.items():
+        with pytest.raises(ConfigError, match=rf"(--dataset \S*bad_{name}.jsonl )?{message}"):
+            _store(files, data, f"bad_{name}", template=template)
+
+
+def test_pairs_whose_sides_are_the_same_are_dropped_with_a_count_or_refused(files):
+    """A pair with chosen == rejected has nothing to learn: some are left out of the rows (counted, their rows
+    named in the log line); a dataset of only such pairs is refused naming its first rows."""
+    rows = _string_rows()
+    same = [{"prompt": "Hi?", "chosen": " Yo.", "rejected": " Yo."}, {"chosen": "a b", "rejected": "a b"}]
+    samples = _samples(_store(files, [rows[0], same[0], rows[1], same[0], rows[2]], "some_same"), 256,
+                       packing=True)
+    assert samples.identical.tolist() == [False, True, False, True, False]
+    assert sorted(p for i in range(len(samples)) for p in samples.pairs(i)) == [0, 2, 4]
+    assert "3 pairs" in samples.describe() and \
+        "2 left out: their chosen and rejected completions are the same (rows 1, 3)" in samples.describe()
+    unpacked = _samples(_store(files, [rows[0], same[0], rows[1], same[0], rows[2]], "some_same"), 256)
+    assert [unpacked.pairs(i) for i in range(len(unpacked))] == [[0], [2], [4]]
+    for name, data in (("all_same", [same[0]] * 7), ("all_same_implicit", [same[1]] * 2)):
+        store = _store(files, data, name)
+        with pytest.raises(ConfigError, match=rf"--dataset x: every one of its {len(data)} pair\(s\) has the same "
+                                              rf"chosen and rejected completion \(rows 0, 1.*\): such a pair has no "
+                                              rf"preference to learn"):
+            _samples(store, 256)
 
 
 # ---------------------------------------------------------------- layout, truncation
@@ -166,7 +205,8 @@ def test_max_length_and_truncation(files):
     (c, tc), (r, tr) = _docs(store)[:2]
     limit = len(r) - 5
     with pytest.raises(ConfigError, match=r"1 preference pair\(s\) have a side .* longer than --max_length "
-                                          rf"{limit} \(the longest has {len(r)} tokens\): raise --max_length .*"
+                                          rf"{limit} \(row 0 of --dataset x; the longest has {len(r)} tokens\): "
+                                          r"raise --max_length .*"
                                           r"--truncation left .*--truncation right"):
         _samples(store, 256, limit)
     left = _samples(store, 256, limit, "left").sample(0)  # the prompt's start, 5 tokens from both sides
@@ -185,6 +225,13 @@ def test_max_length_and_truncation(files):
     with pytest.raises(ConfigError, match=r"--seq_len 100 holds both sides of a pair: it must be at least 2 x "
                                           r"--max_length \(60\)"):
         _samples(store, 100, 60)
+    # --max_prompt_length (TRL's): a longer prompt keeps its last tokens, on both sides, before --max_length
+    short = _samples(store, 256, len(r), max_prompt_length=prompt - 4)
+    assert short.head.tolist() == [4, 0] and short.truncated == 1 and "--max_prompt_length" in short.describe()
+    row = short.sample(0)
+    assert row.ids[:len(c) - 4].tolist() == c[4:] and row.ids[len(c) - 4:len(c) + len(r) - 8].tolist() == r[4:]
+    both = _samples(store, 256, len(r) - 6, "right", max_prompt_length=prompt - 4)  # then the rejected end: 2 more
+    assert both.kept[0].tolist() == [len(c) - 4, len(r) - 6] and both.sample(0).ids[:len(c) - 4].tolist() == c[4:]
 
 
 def test_flags_are_checked_before_anything_runs():
@@ -195,12 +242,73 @@ def test_flags_are_checked_before_anything_runs():
              (["--method", "simpo", "--dataset", "x", "--loss_type", "ipo"], r"--loss_type ipo applies to --method dpo"),
              (["--method", "dpo", "--dataset", "x", "--simpo_gamma", "1"], r"--simpo_gamma applies to --method simpo"),
              (["--method", "dpo", "--dataset", "x", "--max_length", "600"], r"at least 2 x --max_length \(600\)"),
-             (["--method", "orpo", "--dataset", "x", "--eval_dataset", "y"], r"--eval_dataset is evaluated with the SFT"),
+             (["--method", "dpo", "--dataset", "x", "--max_length", "64", "--max_prompt_length", "64"],
+              r"--max_prompt_length 64 leaves no token of completion in a side of --max_length 64"),
+             (["--max_prompt_length", "8"], r"--max_prompt_length applies to preference training"),
              (["--method", "dpo", "--dataset", "x", "--beta", "0"], r"--beta must be positive")]
     for argv, message in cases:
         cfg, _ = parse_args(argv)
         with pytest.raises(ConfigError, match=message):
             cfg.validate()
+
+
+def test_method_and_packing_follow_from_the_data_unless_given(files):
+    """A dataset of chosen/rejected columns trains DPO without --method (the line for the log says so), with TRL's
+    --max_length and --max_prompt_length, and packed; a flag that says otherwise wins: --method, an SFT format flag,
+    --packing false; SFT data stays SFT. TRL's truncation_mode reads as --truncation."""
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.preference import resolve_preference
+
+    pairs = write_jsonl(files["folder"] / "resolve_pairs.jsonl", _string_rows())
+    implicit = write_jsonl(files["folder"] / "resolve_implicit.jsonl", _message_rows(implicit=True))
+    chats = write_jsonl(files["folder"] / "resolve_chats.jsonl", [{"messages": r["chosen"]} for r in
+                                                                  _message_rows(implicit=True)])
+
+    def resolved(*argv):
+        cfg, explicit = parse_args(list(argv))
+        note = resolve_preference(cfg, explicit)
+        cfg.validate()
+        return cfg.pref.method, cfg.data.packing, note
+
+    method, packing, note = resolved("--dataset", pairs, "--max_length", "200", "--max_prompt_length", "50")
+    assert (method, packing) == ("dpo", True)
+    assert note == (f"--method dpo: --dataset {pairs} holds preference pairs (columns `chosen` and `rejected`); "
+                    f"give --method simpo, orpo or sft to train otherwise")
+    assert resolved("--dataset", implicit)[:2] == ("dpo", True)
+    assert resolved("--dataset", pairs, "--packing", "false")[:2] == ("dpo", False)
+    assert resolved("--dataset", pairs, "--method", "simpo")[:2] == ("simpo", True)
+    assert resolved("--dataset", pairs, "--method", "sft", "--data_format", "text", "--text_column", "prompt") == \
+        ("sft", False, None)
+    assert resolved("--dataset", pairs, "--text_column", "prompt") == ("sft", False, None)
+    assert resolved("--dataset", chats) == ("sft", False, None)
+    cfg, _ = parse_args(["--dataset", pairs, "--truncation_mode", "keep_start"])
+    assert cfg.sft.truncation == "right"
+    with pytest.raises(ConfigError, match="expected keep_start or keep_end, got 'middle'"):
+        parse_args(["--dataset", pairs, "--truncation_mode", "middle"])
+
+
+def test_ref_model_is_checked_before_the_model_is_built(tmp_path):
+    """--ref_model: a path that is not there, and a model of another shape (from its config alone), are refused
+    before any weight is loaded."""
+    from transformers import AutoConfig
+
+    from tests.models import TINY
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.preflight import preflight
+    from ulysses_train.train.reference import check_reference_config
+
+    cfg, _ = parse_args(["--method", "dpo", "--dataset", str(tmp_path), "--ref_model", str(tmp_path / "none")])
+    with pytest.raises(ConfigError, match=rf"--ref_model {tmp_path / 'none'}: no such file or folder"):
+        preflight(cfg)
+    ours = AutoConfig.for_model("qwen3", **TINY["qwen3"])
+    AutoConfig.for_model("qwen3", **dict(TINY["qwen3"], hidden_size=2 * ours.hidden_size)).save_pretrained(
+        tmp_path / "wide")
+    ours.save_pretrained(tmp_path / "same")
+    check_reference_config(str(tmp_path / "same"), ours)
+    with pytest.raises(ConfigError, match=rf"--ref_model {tmp_path / 'wide'} is not a model of the policy's "
+                                          rf"architecture and shape \(hidden_size {2 * ours.hidden_size} against "
+                                          rf"{ours.hidden_size}\)"):
+        check_reference_config(str(tmp_path / "wide"), ours)
 
 
 # ---------------------------------------------------------------- the losses against TRL's trainers
@@ -231,7 +339,7 @@ def pair_batch(files):
 def _ours(model, batch, spec, fused):
     """Our head on the packed rows' hidden states (each document through the backbone on its own, positions from
     0: what the packed attention computes), fused with chunks of 3 rows or plain; the loss, grads and metrics."""
-    from ulysses_train.levers.preference_loss import PreferenceObjective
+    from ulysses_train.levers.preference_loss import PreferenceObjective, step_means
 
     model.zero_grad()
     rows = []
@@ -246,8 +354,8 @@ def _ours(model, batch, spec, fused):
     head = SimpleNamespace(bias=None, fused=fused, chunk_size=3, softcap=None)
     loss = objective(torch.stack(rows), model.lm_head.weight, labels, head)
     loss.backward()
-    pairs = len(batch["scored"])
-    stats = {k: v / pairs if k != "nll_loss" else v for k, v in objective.stats.items()}
+    scored = batch["scored"]
+    stats = step_means(objective.stats, len(scored), float(scored[:, 0].sum()), float(scored.sum()))
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, stats
 
 
@@ -332,7 +440,7 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_trainers(pair_batch):
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
 
-    from ulysses_train.levers.preference_loss import ORPO_STATS, STATS, PreferenceSpec
+    from ulysses_train.levers.preference_loss import ORPO_STATS, PAIR_STATS as STATS, PreferenceSpec
     from ulysses_train.train.preference import unpack_pairs
 
     model = _model()

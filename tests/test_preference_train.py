@@ -2,10 +2,12 @@
 (loss, gradient norm, TRL's metrics; the reference log-probs computed under SP=4 and in one process agree),
 `--verify` passes for DPO (SP=2 x DP=2, two pairs a micro-batch), SimPO (Ulysses 2 x ring 2) and ORPO on
 conversational pairs (DPO's cached reference log-probs checked against plain transformers too), and a resumed DPO
-run computes its reference from the initial weights, not the checkpoint's.
+run finds its reference in the checkpoint under the initial weights' key, not the checkpoint's. Without --method a
+dataset of pairs trains DPO, packed by default, equal to --packing false and to one process, with --eval_dataset's
+loss and TRL's metrics.
 
 Two launches: four gloo ranks for the sharded runs, one for the single-process ones, each running several trainers
-in turn. Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
+in turn (the test of the defaults has its own two, two ranks and one). Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
 the ranks."""
 
 import glob
@@ -62,6 +64,7 @@ def _run(rank, world, runs, tmp):
         if trainer.lock is not None:
             trainer.lock.release()
         out[name] = (result, trainer.reference)
+        out[f"{name}/origins"] = getattr(trainer, "reference_origins", None)
     return out
 
 
@@ -74,7 +77,8 @@ def _argv(files, tmp, cache, method="dpo", data="pairs", *extra):
 def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     tmp = str(files["folder"])
     sharded = [("dpo_sp4", _argv(files, tmp, "sp4", "dpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
-               ("simpo_sp4", _argv(files, tmp, "sp4", "simpo", "pairs", "--sp_size", "4", "--grad_accum", "2")),
+               ("simpo_sp4", _argv(files, tmp, "sp4", "simpo", "pairs", "--sp_size", "4", "--grad_accum", "2",
+                                   "--eval_dataset", files["pairs"], "--eval_steps", "2")),
                ("verify_dpo", _argv(files, tmp, "chat", "dpo", "chats", "--sp_size", "2", "--verify",
                                     "--verify_seq_len", "256", "--micro_batch_size", "2", "--loss_type", "ipo")),
                ("verify_simpo", _argv(files, tmp, "chat", "simpo", "chats", "--sp_size", "4", "--ring_size", "2",
@@ -83,7 +87,8 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
                                      "--verify_seq_len", "256", "--loss", "plain"))]
     four = run_distributed(_run, 4, sharded, tmp, use_deepspeed=True)[0]
     single = [("dpo", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2")),
-              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2", "--save_final", "false")),
+              ("simpo", _argv(files, tmp, "one", "simpo", "pairs", "--grad_accum", "2", "--save_final", "false",
+                              "--eval_dataset", files["pairs"], "--eval_steps", "2")),
               ("resume_one", _argv(files, tmp, "one", "dpo", "pairs", "--grad_accum", "2", "--save_steps", "2",
                                    "--resume", os.path.join(tmp, "dpo", "checkpoints", "step_00000002")))]
     one = run_distributed(_run, 1, single, tmp, use_deepspeed=True)[0]
@@ -99,6 +104,10 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
                 e["grad_norm"], rel=1e-4), (ours, r, e)
             for key, value in e["preference"].items():
                 assert r["preference"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours, key)
+            evaluation = {k: v for k, v in e.items() if k.startswith("eval_")}  # SimPO's, at SP=4 as in one
+            assert bool(evaluation) == (ours == "simpo_sp4" and e["step"] in (2, 3)), (ours, e["step"])
+            for key, value in evaluation.items():
+                assert r[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (ours, key)
         if reference is not None:  # computed under SP 4 and in one process: the same log-probs
             assert np.allclose(reference, expected_reference, rtol=1e-6)
     assert four["dpo_sp4"][0][0]["preference"]["rewards/margins"] == 0.0  # the policy starts as the reference
@@ -111,13 +120,16 @@ def test_dpo_and_simpo_under_sp_equal_one_process_verify_and_resume(files):
     assert four["verify_dpo"][0]["reference_logps"]["ours"] < 1e-6
     assert "sp 2 x dp 2" in four["verify_dpo"][0]["setup"] and four["verify_dpo"][0]["sequences"] == 4
     assert "sp 4 (Ulysses 2 x ring 2)" in four["verify_simpo"][0]["setup"]
-    # the resumed run recomputed its reference (the cache was removed) from the initial weights: step 3 again
+    # the resumed run read its reference from the checkpoint (the cache was removed), under the key of the initial
+    # weights (the checkpoint's would be another): the same log-probs, step 3 again
     resumed, reference = one["resume_one"]
     assert [r["step"] for r in resumed] == [3]
+    assert one["dpo/origins"] == ["computed"] and one["resume_one/origins"] == ["checkpoint"]
     assert np.array_equal(reference, one["dpo"][1])
     assert resumed[0]["loss"] == pytest.approx(one["dpo"][0][2]["loss"], rel=1e-6)
-    cached = glob.glob(os.path.join(tmp, "cache_one", "*", "reference", "*.json"))
-    assert len(cached) == 1 and json.load(open(cached[0]))["pairs"] == 24
+    assert not glob.glob(os.path.join(tmp, "cache_one", "*", "reference", "*.npy"))  # removed, not computed again
+    kept = glob.glob(os.path.join(tmp, "dpo", "checkpoints", "step_00000002", "reference", "*.npy"))
+    assert len(kept) == 1 and np.array_equal(np.load(kept[0]), one["dpo"][1]) and np.load(kept[0]).shape == (24, 2)
 
 
 def _reference_runs(rank, world, runs, tmp):
@@ -202,8 +214,11 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
     assert result["passed"] and result["reference_logps"]["compared"], result
     assert result["reference_logps"]["ours"] < 1e-6 and result["reference_logps"]["weights"] == \
         f"--ref_model {folders['B']}"
-    assert one["shallow"].startswith(f"--ref_model {folders['shallow']}: its parameters are not the model's")
-    assert one["missing"].startswith(f"--ref_model {tmp_path / 'no_such_model'}: cannot load it:"), one["missing"]
+    # refused before the data and the model are built: another shape from its config, a missing path at once
+    assert one["shallow"].startswith(f"--ref_model {folders['shallow']} is not a model of the policy's architecture "
+                                     f"and shape (num_hidden_layers 1 against "), one["shallow"]
+    assert one["missing"].startswith(f"--ref_model {tmp_path / 'no_such_model'}: no such file or folder"), \
+        one["missing"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -229,3 +244,73 @@ def test_ref_model_refuses_partitionings_it_cannot_put_back(zero):
     _check_restorable({"stage": 3, "offload_param": {"device": "cpu"}}, "B")
     with pytest.raises(ConfigError, match="leave those out of --ds_config"):
         _check_restorable({"stage": 3, **zero}, "B")
+
+
+def _default_runs(rank, world, runs, tmp):
+    """Each (name, argv) in turn: (metrics records, the method and packing the run resolved, metrics.jsonl's
+    records), or the ConfigError's message."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.loop import train
+    from ulysses_train.train.trainer import Trainer
+
+    out = {}
+    for name, argv in runs:
+        cfg, explicit = parse_args(argv + ["--output_dir", os.path.join(tmp, name)])
+        try:
+            trainer = Trainer(cfg, explicit)
+        except ConfigError as e:
+            out[name] = str(e)
+            continue
+        records = train(trainer)
+        if trainer.lock is not None:
+            trainer.lock.release()
+        with open(os.path.join(tmp, name, "metrics.jsonl")) as f:
+            logged = [json.loads(line) for line in f]
+        out[name] = (records, cfg.pref.method, cfg.data.packing, logged)
+    return out
+
+
+def test_pairs_train_dpo_packed_by_default_with_eval_and_trls_metrics(files):
+    """A dataset of prompt/chosen/rejected trains DPO without --method, its pairs packed several a row; at SP=2 the
+    packed run equals --packing false (one pair a row, the same pairs a step: no pair attends to another) and one
+    process, in the loss, the gradient norm, TRL's metrics and --eval_dataset's loss and metrics, which are in
+    metrics.jsonl under TRL's names. A dataset whose every pair has chosen == rejected is refused."""
+    from tests.sft_fixtures import write_jsonl
+
+    tmp = str(files["folder"])
+    folder = files["folder"]
+    six, four = write_jsonl(folder / "six.jsonl", _pairs(6)), write_jsonl(folder / "four.jsonl", _pairs(10)[6:])
+    same = write_jsonl(folder / "same.jsonl", [dict(p, rejected=p["chosen"]) for p in _pairs(3)])
+
+    def argv(cache, *extra, data=six):
+        return ["--dataset", data, "--tokenizer", files["tokenizer"], "--data_cache_dir",
+                os.path.join(tmp, f"cache_{cache}"), "--seq_len", "512", "--steps", "2", "--lr", "3e-3",
+                "--warmup_steps", "0", "--beta", "0.5", "--eval_dataset", four, "--eval_steps", "1", *extra]
+
+    two = run_distributed(_default_runs, 2, [
+        ("packed", argv("sp2", "--sp_size", "2")),
+        ("unpacked", argv("sp2", "--sp_size", "2", "--packing", "false", "--micro_batch_size", "6")),
+        ("same", argv("sp2", "--sp_size", "2", data=same))], tmp, use_deepspeed=True)[0]
+    one = run_distributed(_default_runs, 1, [("single", argv("single"))], tmp, use_deepspeed=True)[0]
+    packed, unpacked, single = two["packed"], two["unpacked"], one["single"]
+    assert packed[1:3] == ("dpo", True) and unpacked[1:3] == ("dpo", False)
+    trl_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+    for records, theirs in ((packed[0], unpacked[0]), (packed[0], single[0])):
+        for r, e in zip(records, theirs, strict=True):
+            assert r["conversations"] == e["conversations"] == 6 and r["num_tokens"] == e["num_tokens"]
+            assert r["loss"] == pytest.approx(e["loss"], rel=1e-5) and r["grad_norm"] == pytest.approx(
+                e["grad_norm"], rel=1e-4), (r, e)
+            for key in trl_names:  # at step 1 the rewards are 0 up to rounding: which side wins is noise
+                if key != "rewards/accuracies" or r["step"] > 1:
+                    assert r["preference"][key] == pytest.approx(e["preference"][key], rel=1e-4, abs=1e-5), \
+                        (r["step"], key)
+                assert r[f"eval_{key}"] == pytest.approx(e[f"eval_{key}"], rel=1e-4, abs=1e-5), (r["step"], key)
+            assert r["eval_loss"] == pytest.approx(e["eval_loss"], rel=1e-5) and r["eval_pairs"] == 4
+    first, last = packed[3]
+    assert abs(first["rewards/margins"]) < 1e-6 and first["eval_rewards/margins"] > 1e-4  # eval: after the update
+    assert last["eval_rewards/accuracies"] >= 0.0 and set(trl_names) <= set(last)
+    assert all(f"eval_{k}" in last for k in trl_names) and 0.0 <= last["mean_token_accuracy"] <= 1.0
+    assert last["entropy"] > 0 and last["logits/chosen"] != last["logits/rejected"]
+    assert two["same"].startswith(f"--dataset {same}: every one of its 3 pair(s) has the same chosen and rejected")

@@ -150,6 +150,16 @@ def dataset_columns(corpus) -> list[str]:
     return list(corpus.column_names or _first_row_columns(corpus))
 
 
+def peek_columns(spec: str, split: str) -> Optional[list[str]]:
+    """The columns of a dataset, from its first row read as a stream (nothing converted or cached), before the
+    run loads it; None where they cannot be read now (loading the data then says why)."""
+    try:
+        with unreadable_dataset_is_a_config_error(spec):
+            return dataset_columns(load_corpus(spec, split, streaming=True))
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
 def _first_row_columns(corpus) -> list[str]:
     """The columns of a streamed dataset whose features datasets could not infer up front: reading its first row
     names them, or raises the error that kept them unknown (a corrupt file) instead of a missing-column message."""

@@ -16,7 +16,12 @@ default, the message gives how many and the longest), or is cut, never silently 
            completion is an error
 
 TRL cuts each side on its own; `left` here keeps the two prompts equal, as the preference between the two answers is
-about one context.
+about one context. --max_prompt_length (TRL's) cuts a longer prompt's start first, from both sides, whatever
+--truncation says; --max_length then applies to what is left.
+
+A pair whose two sides are the same (data/preference.py stores it as two stand-ins that score nothing) has no
+preference to learn: it is left out of the rows, and the log names how many and the first rows; a dataset of only
+such pairs is a ConfigError naming them.
 """
 
 from __future__ import annotations
@@ -44,64 +49,96 @@ class PairRow(NamedTuple):
     pairs: list
 
 
+def _rows(mask: np.ndarray, shown: int = 5) -> str:
+    """The dataset rows (pair indices) where `mask` holds, the first few: "rows 3, 7 and 12 more"."""
+    rows = np.flatnonzero(mask)
+    text = ", ".join(str(r) for r in rows[:shown])
+    return f"row{'s' * (len(rows) > 1)} {text}" + (f" and {len(rows) - shown:,} more" if len(rows) > shown else "")
+
+
 class PreferenceSamples:
-    """Rows of exactly `seq_len` tokens made of whole pairs of a preference store (data/preference.py)."""
+    """Rows of exactly `seq_len` tokens made of whole pairs of a preference store (data/preference.py); pair i is
+    the dataset's row i. Pairs whose two sides are the same are left out (`identical`), and refused when no other
+    is left."""
 
     def __init__(self, store, seq_len: int, max_length: int, truncation: str, packing: bool, pad_id: int,
-                 length_flag: str = "--seq_len"):
+                 length_flag: str = "--seq_len", max_prompt_length: Optional[int] = None, dataset: str = ""):
         if 2 * max_length > seq_len:
             raise ConfigError(f"{length_flag} {seq_len} holds both sides of a pair: it must be at least 2 x "
                               f"--max_length ({max_length}); raise {length_flag} or lower --max_length")
         self.store, self.seq_len, self.max_length, self.truncation = store, seq_len, max_length, truncation
-        self.pad_id = pad_id
+        self.max_prompt_length, self.pad_id, self.dataset = max_prompt_length, pad_id, dataset
+        self._of = f" of --dataset {dataset}" if dataset else ""
         n = len(store.doc_starts) // 2  # --max_tokens can end the store between the sides of a pair
         starts = np.asarray(store.doc_starts[:2 * n], dtype=np.int64)
         ends = np.append(store.doc_starts[1:], len(store.tokens))[:2 * n]
         self.starts, self.lengths = starts.reshape(n, 2), (ends - starts).reshape(n, 2)
+        scored = np.add.reduceat(np.asarray(store.trained), np.asarray(store.doc_starts, dtype=np.int64),
+                                 dtype=np.int64)[:2 * n].reshape(n, 2)
+        self.identical = (scored == 0).all(axis=1)  # data/preference.py's stand-ins: nothing to score
+        if self.identical.all():
+            raise ConfigError(f"--dataset {dataset}: {'every one' if n > 1 else 'the one'} of its {n:,} pair(s) has "
+                              f"the same chosen and rejected completion ({_rows(self.identical)}): such a pair has "
+                              f"no preference to learn (its loss and gradient do not move); give pairs whose "
+                              f"completions differ")
         self.prompts = np.asarray([int(np.argmax(store.trained[s:e])) for s, e in zip(starts, ends)],
                                   dtype=np.int64).reshape(n, 2)
-        self.cut = self._cuts()
-        self.kept = self.lengths - self.cut
-        self.truncated = int((self.cut.sum(axis=1) > 0).sum())
-        pair_lengths = self.kept.sum(axis=1)
+        self.head, self.tail = self._cuts()
+        self.kept = self.lengths - self.head[:, None] - self.tail
+        self.kept[self.identical] = 0
+        self.truncated = int(((self.head > 0) | (self.tail.sum(axis=1) > 0)).sum())
+        pairs = np.flatnonzero(~self.identical)
         if packing:
-            self.order, self.row_starts = first_fit_decreasing(pair_lengths, seq_len)
+            order, self.row_starts = first_fit_decreasing(self.kept[pairs].sum(axis=1), seq_len)
+            self.order = pairs[order]
         else:
-            self.order, self.row_starts = np.arange(n), np.arange(n + 1)
+            self.order, self.row_starts = pairs, np.arange(len(pairs) + 1)
 
-    def _cuts(self) -> np.ndarray:
-        """(pairs, 2): tokens cut from each side, from its start (left) or its end (right)."""
-        longest, limit = self.lengths.max(axis=1), self.max_length
-        long = longest > limit
+    def _cuts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(pairs,) tokens cut from the prompt's start (the same from both sides: --max_prompt_length, --truncation
+        left) and (pairs, 2) from each side's end (--truncation right)."""
+        prompts, limit, counted = self.prompts[:, 0], self.max_length, ~self.identical
+        head = np.zeros_like(prompts)
+        if self.max_prompt_length is not None:  # TRL's max_prompt_length: a prompt keeps its last tokens
+            head = np.maximum(prompts - self.max_prompt_length, 0)
+        lengths = self.lengths - head[:, None]
+        longest = lengths.max(axis=1)
+        long = (longest > limit) & counted
+        tail = np.zeros_like(self.lengths)
         if long.any() and self.truncation == "error":
             raise ConfigError(f"{int(long.sum())} preference pair(s) have a side (prompt + completion) longer than "
-                              f"--max_length {limit} (the longest has {int(longest.max())} tokens): raise "
-                              f"--max_length (and --seq_len, at least twice it), or cut them with --truncation left "
-                              f"(the prompt's start, from both sides) or --truncation right (the completions' ends)")
+                              f"--max_length {limit} ({_rows(long)}{self._of}; the longest has "
+                              f"{int(longest[long].max())} tokens): raise --max_length (and --seq_len, at least "
+                              f"twice it), or cut them with --truncation left (the prompt's start, from both sides), "
+                              f"--truncation right (the completions' ends) or --max_prompt_length")
         if self.truncation == "left":
-            cut = np.where(long, longest - limit, 0)
-            bad = cut >= self.prompts[:, 0]  # the completion alone, with one prompt token, is longer
+            head = head + np.where(long, longest - limit, 0)
+            bad = long & (head >= prompts)  # the completion alone, with one prompt token, is longer
             if bad.any():
                 completion = (self.lengths - self.prompts).max(axis=1)[bad].max()
                 raise ConfigError(f"{int(bad.sum())} preference pair(s) have a completion that does not fit in "
-                                  f"--max_length {limit} with a token of its prompt (the longest completion has "
-                                  f"{int(completion)} tokens): --truncation left cuts only prompts; raise "
-                                  f"--max_length or use --truncation right")
-            return np.repeat(cut[:, None], 2, axis=1)
-        if self.truncation == "right":
-            bad = long & (self.prompts[:, 0] >= limit)
+                                  f"--max_length {limit} with a token of its prompt ({_rows(bad)}{self._of}; "
+                                  f"the longest completion has {int(completion)} tokens): "
+                                  f"--truncation left cuts only prompts; raise --max_length or use --truncation "
+                                  f"right")
+        elif self.truncation == "right":
+            bad = long & (prompts - head >= limit)
             if bad.any():
                 raise ConfigError(f"{int(bad.sum())} preference pair(s) have a prompt of at least --max_length "
-                                  f"{limit} tokens (the longest has {int(self.prompts[bad, 0].max())}): --truncation "
-                                  f"right would leave no completion; raise --max_length or use --truncation left")
-            return np.maximum(self.lengths - limit, 0)
-        return np.zeros_like(self.lengths)
+                                  f"{limit} tokens ({_rows(bad)}{self._of}; the longest has "
+                                  f"{int((prompts - head)[bad].max())}): --truncation right would leave no "
+                                  f"completion; raise --max_length, give --max_prompt_length, or use --truncation "
+                                  f"left")
+            tail = np.where(counted[:, None], np.maximum(lengths - limit, 0), 0)
+        return head, tail
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1
 
     @property
     def num_pairs(self) -> int:
+        """The store's pairs (the dataset's rows), the identical ones included: the reference's table is indexed
+        by row."""
         return len(self.lengths)
 
     def pairs(self, i: int) -> list[int]:
@@ -109,8 +146,8 @@ class PreferenceSamples:
         return self.order[self.row_starts[i]:self.row_starts[i + 1]].tolist()
 
     def _piece(self, pair: int, side: int) -> slice:
-        start, length, cut = (int(a[pair, side]) for a in (self.starts, self.lengths, self.cut))
-        return slice(start + cut, start + length) if self.truncation == "left" else slice(start, start + length - cut)
+        start, length, tail = (int(a[pair, side]) for a in (self.starts, self.lengths, self.tail))
+        return slice(start + int(self.head[pair]), start + length - tail)
 
     def sample(self, i: int) -> PairRow:
         """Row i: its pairs' sides in order (chosen, rejected, next pair's chosen, ...), then the padding."""
@@ -130,12 +167,20 @@ class PreferenceSamples:
         return PairRow(out, valid, docs, labels, segments, self.pairs(i))
 
     def describe(self) -> str:
-        """One line for the log: pairs, rows, fill and what was cut."""
-        text = (f"{self.num_pairs:,} pairs ({int(self.lengths.sum()):,} tokens, the prompt repeated in both sides) "
-                f"-> {len(self):,} rows of {self.seq_len:,} ({int(self.kept.sum()) / max(1, len(self) * self.seq_len):.0%}"
-                f" filled), sides of at most --max_length {self.max_length:,}")
+        """One line for the log: pairs, rows, fill, what was cut and what was left out."""
+        used = ~self.identical
+        text = (f"{int(used.sum()):,} pairs ({int(self.lengths[used].sum()):,} tokens, the prompt repeated in both "
+                f"sides) -> {len(self):,} rows of {self.seq_len:,} "
+                f"({int(self.kept.sum()) / max(1, len(self) * self.seq_len):.0%} filled), sides of at most "
+                f"--max_length {self.max_length:,}")
+        if self.max_prompt_length is not None:
+            text += f", prompts of at most --max_prompt_length {self.max_prompt_length:,}"
         if self.truncated:
-            text += f", {self.truncated:,} cut (--truncation {self.truncation})"
+            text += f", {self.truncated:,} cut (--truncation {self.truncation}, --max_prompt_length)" \
+                if self.max_prompt_length is not None else f", {self.truncated:,} cut (--truncation {self.truncation})"
+        if self.identical.any():
+            text += (f"; {int(self.identical.sum()):,} left out: their chosen and rejected completions are the same "
+                     f"({_rows(self.identical)})")
         return text
 
 

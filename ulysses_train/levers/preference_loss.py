@@ -5,8 +5,10 @@ The losses are functions of each sequence's log-probability, the sum over its co
 and no rank holds a whole sequence. So, inside the LM head's forward (as the SFT loss, levers/loss.py):
 
 1. per-token log-probs of the rank's scored tokens, the logits made by row chunks and dropped (only scored rows go
-   through the head: a long prompt costs nothing there);
-2. their sums per sequence (P x 2), all-reduced over the SP group: every rank then holds every sequence's sum;
+   through the head: a long prompt costs nothing there), and of each chunk what TRL's DPOTrainer logs per token
+   (the mean logit, the entropy, whether the label is the argmax: `token_stats`);
+2. their sums per sequence (P x 2), all-reduced over the SP group in one call: every rank then holds every
+   sequence's sums;
 3. the loss of the micro-batch and its gradient with respect to each sum (autograd on P x 2 numbers; the formulas
    are TRL's, `pair_terms`), the same on every rank;
 4. a second pass over the chunks takes every token's gradient in the forward, weighted by its sequence's
@@ -45,8 +47,14 @@ from .loss import CausalLMWithSPLoss, _at_least_fp32, backbone, router_aux_share
 
 METHODS = ("sft", "dpo", "simpo", "orpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-         "logps/rejected")
+PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+              "logps/rejected")  # means over the pairs
+# means over completion tokens, as TRL's DPOTrainer logs them: the vocabulary's mean logit on the chosen and on the
+# rejected completions' tokens, the entropy of the next-token distribution on both, and how often the chosen
+# completion's token is the argmax; the tokens each is a mean over
+TOKEN_STATS = {"logits/chosen": "chosen", "logits/rejected": "rejected", "entropy": "both",
+               "mean_token_accuracy": "chosen"}
+STATS = PAIR_STATS + tuple(TOKEN_STATS)
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
@@ -65,6 +73,33 @@ class PreferenceSpec:
 
     def stat_keys(self) -> tuple:
         return STATS + (ORPO_STATS if self.method == "orpo" else ())
+
+
+def step_means(stats: dict, pairs: float, chosen_tokens: float, tokens: float) -> dict:
+    """The sums of `PreferenceObjective.stats` over a step -> the means TRL logs: pair stats over the `pairs`, token
+    stats over their tokens (`chosen_tokens` of the chosen completions, `tokens` of both), ORPO's nll_loss as it is
+    (already the step's mean)."""
+    over = {"chosen": chosen_tokens, "rejected": tokens - chosen_tokens, "both": tokens}
+    return {k: v if k == "nll_loss" else v / max(1.0, over[TOKEN_STATS[k]] if k in TOKEN_STATS else pairs)
+            for k, v in stats.items()}
+
+
+def pair_stats(terms: dict, token_sums: Optional[torch.Tensor] = None, nll: Optional[torch.Tensor] = None) -> dict:
+    """The sums over pairs of what TRL logs (`step_means` makes them means): from `pair_terms`' terms, the
+    per-sequence sums of `token_stats` (P, 2, 3) where they were taken, and ORPO's NLL."""
+    rewards, logps = terms["rewards"], terms["logps"]
+    stats = {"rewards/chosen": rewards[:, 0].sum(), "rewards/rejected": rewards[:, 1].sum(),
+             "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).sum(),
+             "rewards/margins": (rewards[:, 0] - rewards[:, 1]).sum(), "logps/chosen": logps[:, 0].sum(),
+             "logps/rejected": logps[:, 1].sum()}
+    if token_sums is not None:
+        t = token_sums
+        stats |= {"logits/chosen": t[:, 0, 0].sum(), "logits/rejected": t[:, 1, 0].sum(),
+                  "entropy": t[:, :, 1].sum(), "mean_token_accuracy": t[:, 0, 2].sum()}
+    if nll is not None:
+        stats |= {"nll_loss": nll.detach(), "log_odds_ratio": terms["log_odds_ratio"].sum(),
+                  "log_odds_chosen": terms["log_odds_chosen"].sum()}
+    return {k: float(v) for k, v in stats.items()}
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +160,7 @@ class PreferenceObjective:
         self.sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
         self.stats: dict = {}
         self.sums: Optional[torch.Tensor] = None
+        self.token_sums: Optional[torch.Tensor] = None  # (P, 2, 3): mean logit, entropy, argmax hits, summed
         if spec is not None and spec.uses_reference and reference is None:
             raise ValueError("DPO needs the reference log-probs of the batch's pairs")
 
@@ -139,18 +175,11 @@ class PreferenceObjective:
         """The micro-batch's share of the step's loss from the sequences' sums (P, 2) fp64; records `stats`."""
         terms = pair_terms(self.spec, sums, self.scored.to(sums.device), self.reference)
         loss = terms["losses"].sum() / self.pairs_total
+        nll = None
         if self.spec.method == "orpo":  # TRL's ORPO adds the chosen side's NLL, a mean over its tokens
             nll = -sums[:, 0].sum() / self.chosen_tokens_total
             loss = loss + nll
-        rewards, logps = terms["rewards"], terms["logps"]
-        stats = {"rewards/chosen": rewards[:, 0].sum(), "rewards/rejected": rewards[:, 1].sum(),
-                 "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).sum(),
-                 "rewards/margins": (rewards[:, 0] - rewards[:, 1]).sum(), "logps/chosen": logps[:, 0].sum(),
-                 "logps/rejected": logps[:, 1].sum()}
-        if self.spec.method == "orpo":
-            stats |= {"nll_loss": nll.detach(), "log_odds_ratio": terms["log_odds_ratio"].sum(),
-                      "log_odds_chosen": terms["log_odds_chosen"].sum()}
-        self.stats = {k: float(v) for k, v in stats.items()}
+        self.stats = pair_stats(terms, self.token_sums, nll)
         return loss
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:
@@ -163,8 +192,9 @@ class PreferenceObjective:
         if bool((segments[rows] < 0).any()):
             raise RuntimeError("a scored token belongs to no sequence: the segments do not match the labels")
         if self.spec is None or not (torch.is_grad_enabled() and hidden.requires_grad):
-            logps, _ = token_logps(hidden[rows], weight, labels[rows], head.chunk_size, head.softcap)
-            self.sums = self.reduce(self.partial_sums(logps, segments[rows]).detach())
+            logps, _, extras = token_logps(hidden[rows], weight, labels[rows], head.chunk_size, head.softcap,
+                                           with_stats=self.spec is not None)
+            self.sums = self.reduce_sums(logps, extras, segments[rows])
             return hidden.new_zeros((), dtype=torch.float32) if self.spec is None else \
                 (self.loss(self.sums) / self.sp_size).float()
         if head.fused:
@@ -173,9 +203,19 @@ class PreferenceObjective:
         return self._plain(hidden, weight, labels, segments, rows, head.softcap)
 
     def partial_sums(self, logps: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-        """(P, 2): this rank's tokens' log-probs summed per sequence, in fp64."""
-        partial = torch.zeros(2 * self.pairs, dtype=torch.float64, device=logps.device)
-        return partial.index_add(0, segments, logps.to(torch.float64)).view(self.pairs, 2)
+        """(P, 2, ...): this rank's tokens' log-probs (k,), or any per-token values (k, m), summed per sequence, in
+        fp64."""
+        partial = torch.zeros((2 * self.pairs,) + logps.shape[1:], dtype=torch.float64, device=logps.device)
+        return partial.index_add(0, segments, logps.to(torch.float64)).view(self.pairs, 2, *logps.shape[1:])
+
+    def reduce_sums(self, logps: torch.Tensor, extras: Optional[torch.Tensor], segments: torch.Tensor):
+        """Each sequence's log-prob (P, 2) over the SP group, and where `extras` (k, 3) are given, their sums into
+        `token_sums`: one all-reduce for both."""
+        if extras is None:
+            return self.reduce(self.partial_sums(logps, segments).detach())
+        both = self.reduce(self.partial_sums(torch.cat([logps[:, None], extras.to(logps.dtype)], dim=1), segments))
+        self.token_sums = both[..., 1:]
+        return both[..., 0].contiguous()
 
     def _plain(self, hidden, weight, labels, segments, rows, softcap) -> torch.Tensor:
         """--loss plain: the scored rows' logits in full, autograd through everything. The SP sum's gradient is the
@@ -183,27 +223,45 @@ class PreferenceObjective:
         from .loss import cap_logits
 
         logits = cap_logits(_at_least_fp32(hidden[rows] @ weight.t()), softcap)
-        logps = torch.log_softmax(logits, dim=-1).gather(1, labels[rows][:, None]).squeeze(1)
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        logps = log_softmax.gather(1, labels[rows][:, None]).squeeze(1)
         partial = self.partial_sums(logps, segments[rows])
-        sums = partial + (self.reduce(partial.detach()) - partial.detach())
+        with torch.no_grad():
+            extras = token_stats(logits.detach(), torch.logsumexp(logits.detach(), dim=-1), labels[rows])
+        sums = partial + (self.reduce_sums(logps.detach(), extras, segments[rows]) - partial.detach())
         loss = self.loss(sums)
         return (loss - loss.detach() * (1 - 1 / self.sp_size)).float()  # value loss / sp, gradient of the loss
 
 
+def token_stats(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, consume: bool = False):
+    """(c, 3) per token, what TRL's DPOTrainer logs of it: the mean logit over the vocabulary, the entropy of the
+    next-token distribution, and 1 where the label is the argmax (the first one, as TRL's `is_top1`). `consume`:
+    `logits` may be overwritten (one (c, V) buffer fewer)."""
+    mean, top1 = logits.mean(dim=-1), (logits.argmax(dim=-1) == labels).to(logits.dtype)
+    log_p = logits.sub_(lse[:, None]) if consume else logits - lse[:, None]
+    entropy = -log_p.exp().mul_(log_p).sum(dim=-1)
+    return torch.stack([mean, entropy, top1], dim=1)
+
+
 def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden (k, H), weight (V, H), labels (k,) all scored -> log p(label) (k,) and the log-sum-exp (k,), in at
-    least fp32, the logits made `chunk_size` rows at a time."""
+                softcap: Optional[float] = None, with_stats: bool = False):
+    """hidden (k, H), weight (V, H), labels (k,) all scored -> log p(label) (k,), the log-sum-exp (k,) and, with
+    `with_stats`, token_stats (k, 3) (else None), in at least fp32, the logits made `chunk_size` rows at a time."""
     logps = torch.empty(len(labels), dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
     lse = torch.empty_like(logps)
+    stats = logps.new_empty((len(labels), 3)) if with_stats else None
     with torch.no_grad():
         for start in range(0, len(labels), chunk_size):
-            logits = _logits(hidden[start:start + chunk_size], weight, softcap)[0]
+            end = min(start + chunk_size, len(labels))
+            logits = _logits(hidden[start:end], weight, softcap)[0]
             chunk_lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, labels[start:start + chunk_size, None]).squeeze(1)
-            logps[start:start + chunk_size] = picked - chunk_lse
-            lse[start:start + chunk_size] = chunk_lse
-    return logps, lse
+            picked = logits.gather(1, labels[start:end, None]).squeeze(1)
+            logps[start:end] = picked - chunk_lse
+            lse[start:end] = chunk_lse
+            if stats is not None:
+                stats[start:end] = token_stats(logits, chunk_lse, labels[start:end], consume=True)
+            del logits
+    return logps, lse, stats
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]):
@@ -249,8 +307,8 @@ class _FusedPreference(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, segments, rows, objective, chunk_size, softcap):
         # hidden (n, H), weight (V, H), labels and segments (n,), rows: the scored positions (k,)
         h, y = hidden.index_select(0, rows), labels[rows]
-        logps, lse = token_logps(h, weight, y, chunk_size, softcap)  # pass 1
-        sums = objective.reduce(objective.partial_sums(logps, segments[rows]))
+        logps, lse, extras = token_logps(h, weight, y, chunk_size, softcap, with_stats=True)  # pass 1
+        sums = objective.reduce_sums(logps, extras, segments[rows])
         with torch.enable_grad():
             sums = sums.detach().requires_grad_()
             loss = objective.loss(sums)

@@ -86,11 +86,13 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
     from ..train.config import parse_args
     from ..train.ds_config import lever_choices, load_ds_config, resolve_ds_config
+    from ..train.preference import resolve_preference
     from ..train.trainer import run_geometry, run_levers
 
     import torch
 
     cfg, explicit = parse_args(train_argv)
+    resolve_preference(cfg, explicit)
     cfg.validate()
     config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
     sp = cfg.parallel.sp_size or math.gcd(min(machine.gpus, machine.gpus_per_node), machine.gpus)

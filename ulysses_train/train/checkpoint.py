@@ -308,7 +308,7 @@ class _RecordedWrites:
 
 
 def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config, tokenizer, rank: int,
-                 adapters=None, base_model: Optional[str] = None) -> None:
+                 adapters=None, base_model: Optional[str] = None, arrays: Optional[dict] = None) -> None:
     with _RecordedWrites(engine) as writes:  # DeepSpeed's own `latest` is written below: its write is not recorded
         engine.save_checkpoint(tmp, tag="ds", save_latest=False, exclude_frozen_parameters=adapters is not None)
     if writes.error is not None:
@@ -325,6 +325,10 @@ def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config,
             save_adapter_config(adapters, os.path.join(tmp, "model"), base_model)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        for name, values in (arrays or {}).items():  # relative paths: DPO's reference log-probs (reference.py)
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            with open(os.path.join(tmp, name), "wb") as f:
+                np.save(f, values)
 
 
 def consolidated_state(folder: str) -> dict:
@@ -346,10 +350,11 @@ def write_peft_folder(folder: str) -> None:
 
 
 def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, model_config, tokenizer,
-                    rank: int, total_limit: Optional[int] = None, adapters=None, base_model: Optional[str] = None
-                    ) -> str:
+                    rank: int, total_limit: Optional[int] = None, adapters=None, base_model: Optional[str] = None,
+                    arrays: Optional[dict] = None) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path. `adapters` (model/adapters.py): save
-    only what is trained, and the adapters' config (with `base_model`, the --model they were trained on). A save the
+    only what is trained, and the adapters' config (with `base_model`, the --model they were trained on). `arrays`:
+    {relative path: numpy array} rank 0 writes too (in the manifest like every file). A save the
     free space cannot hold (the previous checkpoint's size: disk_space.py) is refused before anything is written;
     any failure while writing is agreed by every rank and raised as a CheckpointError naming the previous
     checkpoint."""
@@ -378,7 +383,7 @@ def save_checkpoint(engine, output_dir: str, step: int, trainer_state: dict, mod
 
     _agree(_attempt(prepare, rank, True, root, need), name, previous, tmp, rank)
     _agree(_attempt(lambda: _write_files(engine, tmp, step, trainer_state, model_config, tokenizer, rank, adapters,
-                                         base_model), rank, False, root, need), name, previous, tmp, rank)
+                                         base_model, arrays), rank, False, root, need), name, previous, tmp, rank)
     _agree(_attempt(publish, rank, True, root, need), name, previous, tmp, rank)
     if rank == 0 and total_limit:
         prune_checkpoints(output_dir, total_limit, step)

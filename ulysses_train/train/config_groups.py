@@ -105,7 +105,8 @@ class DataConfig(Settings):
                          "when --seq_len is not one.")
     packing: bool = _f(False, "Keep document boundaries inside a sample: positions restart at each document and "
                        "attention never crosses one (also under sequence parallelism). Conversations: pack whole ones "
-                       "into each sample (first-fit decreasing) instead of one per sample.")
+                       "into each sample (first-fit decreasing) instead of one per sample. Preference pairs: on "
+                       "unless given (several whole pairs a row); --packing false keeps one pair a row.")
     last_sample: Literal[LAST_SAMPLE] = _f("drop", "The corpus's last partial sample: drop it, or pad it (padding is "
                                            "not trained on).")
     streaming: bool = _f(False, "Stream a hub dataset instead of downloading it whole (with --max_tokens).")
@@ -139,7 +140,9 @@ class PreferenceConfig(Settings):
     method: Literal[METHODS] = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference "
                                   "Optimization on prompt/chosen/rejected pairs against the reference (the initial "
                                   "weights; their log-probs computed once per dataset under SP and cached beside the "
-                                  "tokens). simpo, orpo: reference-free (docs/preference.md).")
+                                  "tokens). simpo, orpo: reference-free (docs/preference.md). Default: dpo for one "
+                                  "--dataset with `chosen` and `rejected` columns (and no --data_format, "
+                                  "--text_column, --messages_field or --loss_on), else sft.")
     beta: float = _f(0.1, "The preference loss's beta (TRL's): DPO's KL weight, SimPO's reward scale, ORPO's "
                      "odds-ratio weight.", gt=0)
     loss_type: Literal[LOSS_TYPES] = _f("sigmoid", "DPO's loss, as TRL names it: sigmoid (DPO), ipo (IPO, per-token "
@@ -149,6 +152,10 @@ class PreferenceConfig(Settings):
                                    "max_length; a longer side is an error or cut by --truncation (left: the prompt's "
                                    "start, right: the completions' ends). Default: --seq_len / 2 (a row of --seq_len "
                                    "holds both sides of a pair).", gt=0)
+    max_prompt_length: Optional[int] = _f(None, "Preference pairs: the most tokens of a pair's prompt, TRL's "
+                                          "max_prompt_length: a longer prompt keeps its last tokens (its start is "
+                                          "cut from both sides, counted in the log), before --max_length applies. "
+                                          "Default: prompts whole.", gt=0)
     ref_model: Optional[str] = _f(None, "DPO's reference, a separate frozen model (TRL's ref_model): a pretrained "
                                   "folder or hub id with the parameters of --model's architecture. Its log-probs are "
                                   "computed once per dataset, its weights swapped into the model for that forward "
@@ -349,7 +356,8 @@ class EvalConfig(Settings):
 
     eval_dataset: Optional[str] = _f(None, "Validation data, in any form --dataset takes (the same format flags "
                                      "apply): its loss, at --seq_len under SP, goes to metrics.jsonl and the trackers "
-                                     "every --eval_steps and after the last step.")
+                                     "every --eval_steps and after the last step; for preference pairs, their loss "
+                                     "and TRL's metrics (eval_rewards/margins, ...).")
     eval_split: Optional[str] = _f(None, "Split of --eval_dataset. Default: --dataset_split.")
     eval_steps: int = _f(0, "Evaluate every N optimizer steps (0: only after the last step).", ge=0)
     eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of the eval set. Default: all.", gt=0)

@@ -146,8 +146,11 @@ class MetricsLogger:
             self.write(step_line(record) + _pairs(record))
         if "eval_loss" in record:
             loss = "none (no target)" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
+            evaluation = {k.removeprefix("eval_"): v for k, v in record.items() if k.startswith("eval_")}
+            samples = f"{record['eval_samples']} samples" if "eval_pairs" not in record else \
+                f"{record['eval_pairs']} pairs in {record['eval_samples']} rows"
             self.write(f"step {record['step']:>5} | eval loss {loss} over {record['eval_tokens']:,} tokens of "
-                       f"{record['eval_samples']} samples")
+                       f"{samples}" + _pairs(evaluation))
 
     def write(self, message: str) -> None:
         """A line on the terminal (above the bar, if there is one)."""

@@ -7,27 +7,62 @@ rows of pairs (data/pair_packing.py), shards them with their `segments`, and the
 ORPO's NLL by the step's chosen completion tokens). DeepSpeed's averaging is undone as for SFT. The metrics are
 TRL's: the means over the step's pairs of rewards/chosen, rewards/rejected, rewards/accuracies (chosen above
 rejected), rewards/margins, logps/chosen, logps/rejected (for SimPO and ORPO per-token means, as TRL's CPO and ORPO
-log them), and for ORPO nll_loss, log_odds_ratio and log_odds_chosen; `num_tokens` counts the scored completion
-tokens and `conversations` the pairs.
+log them), and for ORPO nll_loss, log_odds_ratio and log_odds_chosen; the means over the step's completion tokens
+of logits/chosen and logits/rejected (the vocabulary's mean logit on each side's tokens), entropy (both sides) and
+mean_token_accuracy (the chosen side's tokens that are the argmax), as TRL's DPOTrainer computes them (it averages
+each micro-batch's, here the step's tokens are weighed alike); `num_tokens` counts the scored completion tokens and
+`conversations` the pairs. --eval_dataset's pairs give the same metrics on the eval split (train/evaluate.py).
+
+Where the flags leave it to the data (`resolve_preference`), a dataset of `chosen` and `rejected` columns trains
+DPO, and preference rows are packed (several pairs a row, never attending to each other) unless --packing false.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..data.pair_packing import preference_batch
 from ..errors import ConfigError
-from ..levers.preference_loss import PreferenceObjective, PreferenceSpec
+from ..levers.preference_loss import PreferenceObjective, PreferenceSpec, pair_stats, pair_terms, step_means
 from ..sp.sharding import shard_sequence
 from .loop import forward_backward
+
+
+_SFT_FORMAT_FLAGS = ("data_format", "text_column", "messages_field", "loss_on")
+
+
+def resolve_preference(cfg, explicit: set[str]) -> Optional[str]:
+    """What the flags leave to the data, settled before the checks (TrainConfig.validate): --method follows from
+    the dataset where it is unambiguous (one dataset with `chosen` and `rejected` columns and none of the SFT format
+    flags: DPO, as TRL's DPOTrainer reads such data), and preference rows are packed unless --packing is given.
+    Returns the log's line about a --method the data chose, or None."""
+    from ..data.corpus import peek_columns
+    from ..data.mixture import dataset_entries, is_mixture
+
+    note = None
+    data = cfg.data
+    if "method" not in explicit and data.dataset and not any(f in explicit for f in _SFT_FORMAT_FLAGS):
+        entries = dataset_entries(data.dataset)
+        if not is_mixture(entries):
+            columns = peek_columns(entries[0].path, entries[0].split or data.dataset_split) or []
+            if "chosen" in columns and "rejected" in columns:
+                cfg.pref.method = "dpo"
+                note = (f"--method dpo: --dataset {entries[0].path} holds preference pairs (columns `chosen` and "
+                        f"`rejected`); give --method simpo, orpo or sft to train otherwise")
+    if cfg.pref.method != "sft" and "packing" not in explicit:
+        data.packing = True  # several pairs a row; --packing false keeps one pair a row
+    return note
 
 
 def check_preference_flags(cfg) -> None:
     """The preference flags against each other and the rest (TrainConfig.validate calls it, after their bounds)."""
     pref, data = cfg.pref, cfg.data
-    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None, "ref_model": None}
+    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None,
+                "max_prompt_length": None, "ref_model": None}
     if pref.method == "sft":
         given = [f"--{k}" for k, v in defaults.items() if getattr(pref, k) != v]
         if given:
@@ -49,8 +84,10 @@ def check_preference_flags(cfg) -> None:
     if data.data_format != "auto" or cfg.sft.loss_on not in ("auto", "completion") or data.text_column:
         raise ConfigError(f"--method {pref.method} reads preference pairs (prompt/chosen/rejected) and scores their "
                           f"completions: leave --data_format, --loss_on and --text_column unset")
-    if cfg.eval.eval_dataset:
-        raise ConfigError(f"--eval_dataset is evaluated with the SFT loss; with --method {pref.method} leave it unset")
+    if pref.max_prompt_length is not None and pref.max_length is not None and \
+            pref.max_prompt_length >= pref.max_length:
+        raise ConfigError(f"--max_prompt_length {pref.max_prompt_length} leaves no token of completion in a side of "
+                          f"--max_length {pref.max_length}: lower it below --max_length")
     if pref.max_length is not None and 2 * pref.max_length > data.seq_len:
         raise ConfigError(f"--seq_len {data.seq_len} holds both sides of a pair: it must be at least 2 x --max_length "
                           f"({pref.max_length})")
@@ -107,9 +144,63 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
     if run.groups.dp_size > 1:  # every rank of an SP group holds the same stats: sum one per group
         dist.all_reduce(total, group=run.groups.dp_group)
         dist.all_reduce(stats, group=run.groups.dp_group)
-    pairs = max(1.0, float(counts[1]))
-    run.preference_stats = {k: float(v) if k == "nll_loss" else float(v) / pairs for k, v in zip(keys, stats)}
+    run.preference_stats = step_means({k: float(v) for k, v in zip(keys, stats)}, float(counts[1]),
+                                      float(counts[2]), float(counts[0]))
     return total, counts[:2], skipped
+
+
+def evaluate_pairs(run, source, reference: Optional[np.ndarray], max_samples: Optional[int]) -> dict:
+    """--eval_dataset's pairs (train/evaluate.py's loop: forward only under SP, each DP group every dp-th
+    micro-batch, rows past the end run but not counted): the training objective's loss over the eval pairs (the
+    pair terms' mean; ORPO adds the chosen tokens' NLL mean) and the metrics TRL logs, as eval_<name>."""
+    from .shards import shard_batch
+
+    g, micro, spec = run.groups, run.micro, run.spec
+    n = source.num_samples if max_samples is None else min(source.num_samples, max_samples)
+    keys = spec.stat_keys()
+    totals = torch.zeros(5 + len(keys), dtype=torch.float64, device=run.device)  # see _eval_sums
+    run.engine.eval()
+    try:
+        with torch.no_grad():
+            for first in range(0, n, micro * g.dp_size):
+                indices = [first + g.dp_rank * micro + r for r in range(micro)]
+                rows = [source.get(min(i, n - 1)) for i in indices]
+                batch = preference_batch(rows, reference)
+                shard = shard_batch(run, batch)
+                objective = PreferenceObjective(spec, shard_segments(run, batch), batch["scored"].to(run.device),
+                                                batch.get("reference"),
+                                                sp_group=g.sp_group if g.sp_size > 1 else None)
+                run.engine(shard["input_ids"], shard["position_ids"], shard["labels"],
+                           torch.ones((), device=run.device), objective=objective)
+                counted = torch.tensor([i < n for i, row in zip(indices, rows) for _ in row.pairs], device=run.device)
+                if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
+                    totals += _eval_sums(spec, objective, counted, keys)
+    finally:
+        run.engine.train()
+    dist.all_reduce(totals)
+    losses, nll, pairs, chosen, tokens = totals[:5].tolist()
+    stats = dict(zip(keys, totals[5:].tolist()))
+    loss = losses / max(1.0, pairs)
+    if spec.method == "orpo":
+        stats["nll_loss"] = nll / max(1.0, chosen)
+        loss += stats["nll_loss"]
+    means = step_means(stats, pairs, chosen, tokens)
+    return {"eval_loss": loss if pairs else None, **{f"eval_{k}": v for k, v in means.items()},
+            "eval_tokens": int(tokens), "eval_samples": n, "eval_pairs": int(pairs),
+            "eval_micro_batches": -(-n // (micro * g.dp_size))}
+
+
+def _eval_sums(spec: PreferenceSpec, objective: PreferenceObjective, counted: torch.Tensor, keys: tuple):
+    """[pair losses, chosen sides' log-probs negated, pairs, chosen tokens, tokens, *stats] summed over a
+    micro-batch's `counted` pairs."""
+    sums, scored = objective.sums[counted], objective.scored[counted]
+    reference = None if objective.reference is None else objective.reference[counted]
+    terms = pair_terms(spec, sums, scored, reference)
+    nll = -sums[:, 0].sum()
+    stats = pair_stats(terms, objective.token_sums[counted], nll if spec.method == "orpo" else None)
+    head = [float(terms["losses"].sum()), float(nll), float(len(sums)), float(scored[:, 0].sum()),
+            float(scored.sum())]
+    return torch.tensor(head + [stats.get(k, 0.0) for k in keys], dtype=torch.float64, device=sums.device)
 
 
 def unpack_pairs(batch: dict) -> list[dict]:

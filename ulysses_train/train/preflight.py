@@ -1,4 +1,4 @@
-"""Paths checked before any work: --model, --tokenizer, --dataset and --chat_template exist, and a local model
+"""Paths checked before any work: --model, --ref_model, --tokenizer, --dataset and --chat_template exist, and a local model
 folder holds a readable config, intact weights and (when it must provide one) a tokenizer. Each problem is a
 ConfigError naming the flag and the path, raised on every rank alike before the process group, the data or the
 model exist, instead of a traceback per rank from deep inside transformers or datasets.
@@ -22,26 +22,27 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
-def check_model(spec: str, need_tokenizer: bool) -> None:
-    """A local --model folder: config.json readable, weights present and intact, a tokenizer if it must give one."""
-    if local_or_hub("model", spec) == "hub":
+def check_model(spec: str, need_tokenizer: bool, flag: str = "model") -> None:
+    """A local --model (or --ref_model) folder: config.json readable, weights present and intact, a tokenizer if it
+    must give one."""
+    if local_or_hub(flag, spec) == "hub":
         return
     if not os.path.isdir(spec):
-        raise ConfigError(f"--model {spec} is a file: give the folder that holds config.json and the weights")
+        raise ConfigError(f"--{flag} {spec} is a file: give the folder that holds config.json and the weights")
     config = os.path.join(spec, "config.json")
     if not os.path.isfile(config):
-        raise ConfigError(f"--model {spec}: no config.json (a folder written by save_pretrained has one)")
+        raise ConfigError(f"--{flag} {spec}: no config.json (a folder written by save_pretrained has one)")
     try:
         with open(config) as f:
             json.load(f)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--model {spec}: config.json is not valid JSON ({e})") from None
+        raise ConfigError(f"--{flag} {spec}: config.json is not valid JSON ({e})") from None
     for name in _weight_files(spec):
         problem = _weight_file_problem(os.path.join(spec, name))
         if problem:
-            raise ConfigError(f"--model {spec}: {name} is damaged ({problem}): save or download it again")
+            raise ConfigError(f"--{flag} {spec}: {name} is damaged ({problem}): save or download it again")
     if need_tokenizer and not _has_tokenizer(spec):
-        raise ConfigError(f"--model {spec} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])}): give one with "
+        raise ConfigError(f"--{flag} {spec} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])}): give one with "
                           f"--tokenizer (a folder, a hub id, or bytes)")
 
 
@@ -71,6 +72,8 @@ def preflight(cfg) -> None:
     """Every path check of a run (a TrainConfig), in the order the run reads them."""
     if cfg.base.model:
         check_model(cfg.base.model, need_tokenizer=cfg.data.tokenizer is None)
+    if cfg.pref.ref_model:
+        check_model(cfg.pref.ref_model, need_tokenizer=False, flag="ref_model")
     check_tokenizer(cfg.data.tokenizer)
     check_dataset(cfg.data.dataset)
     check_dataset(cfg.eval.eval_dataset, "eval_dataset")

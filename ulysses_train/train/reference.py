@@ -1,4 +1,5 @@
-"""DPO's reference log-probs: computed once per dataset by a forward pass under SP, cached beside the token store.
+"""DPO's reference log-probs: computed once per dataset by a forward pass under SP (a progress bar on rank 0),
+cached beside the token store; --eval_dataset's pairs get theirs in the same pass.
 
 The reference is the policy's initial weights (full fine-tuning: the weights the run starts from, before any
 checkpoint is loaded, so a resumed run's reference is still its start). Every pair's two sequence log-probs (the
@@ -10,9 +11,12 @@ length under SP (the rows split over the DP groups, as evaluation splits them), 
 
 The key is a digest of the reference weights themselves (every parameter, gathered under ZeRO-3: name, shape,
 dtype and an exact integer checksum of its bits, computed on the device), the model config (rotary scaling and the
-like change the forward) and --max_length / --truncation (they change the pairs); the token store's folder already
-keys the data, tokenizer and template. A second run on the same data and weights (another SP size, --packing or
-not, a resume) reads the file; any other weights compute their own.
+like change the forward) and --max_length / --max_prompt_length / --truncation (they change the pairs); the token
+store's folder already keys the data, tokenizer and template. A second run on the same data and weights (another
+SP size, --packing or not, a resume) reads the file; any other weights compute their own.
+
+Each checkpoint keeps the tables too (`<checkpoint>/reference/<key>.npy`): a resume whose data cache is gone (another
+machine, a cleaned cache) reads them there, under the same key, instead of computing them again.
 
 A separate reference model (`--ref_model`, full fine-tuning only): its weights are swapped into the model for the
 reference pass (`reference_weights`) and the policy's put back after it, bit for bit: no second model is held on the
@@ -32,6 +36,7 @@ import json
 import os
 import time
 import uuid
+from typing import Optional
 
 import numpy as np
 import torch
@@ -85,12 +90,13 @@ def weights_digest(named_parameters) -> str:
     return digest.hexdigest()
 
 
-def reference_key(run) -> tuple[str, dict]:
-    samples = run.source.samples
+def reference_key(run, samples, weights: str) -> tuple[str, dict]:
+    """The cache key of `samples`' reference log-probs under the weights whose digest is `weights`."""
     model = run.module.model
-    settings = {"format": REFERENCE_FORMAT, "weights": weights_digest(reference_parameters(model)),
+    settings = {"format": REFERENCE_FORMAT, "weights": weights,
                 "model_config": model.config.to_json_string(use_diff=False),
-                "max_length": samples.max_length, "truncation": samples.truncation, "pairs": samples.num_pairs}
+                "max_length": samples.max_length, "max_prompt_length": samples.max_prompt_length,
+                "truncation": samples.truncation, "pairs": samples.num_pairs}
     return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16], settings
 
 
@@ -102,27 +108,48 @@ def _read(path: str, pairs: int):
     return values if values.shape == (pairs, 2) and values.dtype == np.float64 and np.isfinite(values).all() else None
 
 
-def reference_logps(run) -> np.ndarray:
-    """(pairs, 2) float64: every pair's reference log-probs, from the cache or computed now (collective)."""
+def reference_logps(run, *sources, checkpoint: Optional[str] = None) -> list[np.ndarray]:
+    """(pairs, 2) float64 for each source of pairs (the training data, --eval_dataset's): every pair's reference
+    log-probs, from the cache, from the `checkpoint` the run resumes (its `reference/` folder: checkpoint_arrays),
+    or computed now (collective), under one swap of --ref_model's weights. Leaves `run.reference_tables`
+    ({key: values}, what the checkpoints keep) and `run.reference_origins` (where each came from)."""
+    run.reference_tables, run.reference_origins = {}, []
     with reference_weights(run):
-        return _cached_or_computed(run)
+        weights = weights_digest(reference_parameters(run.module.model))
+        return [_cached_or_computed(run, source, weights, checkpoint) for source in sources]
 
 
-def _cached_or_computed(run) -> np.ndarray:
-    samples = run.source.samples
-    key, settings = reference_key(run)
+def checkpoint_arrays(run) -> dict:
+    """{relative path: values} of the reference tables a checkpoint keeps, so that a resume finds them without the
+    data cache (and without computing them from the initial weights again)."""
+    return {f"reference/{key}.npy": values for key, values in getattr(run, "reference_tables", {}).items()}
+
+
+def _found(run, paths: list[str], pairs: int) -> Optional[str]:
+    """The first of `paths` rank 0 reads as a table of `pairs`, agreed by every rank (they read it, or all compute)."""
+    found = [next((p for p in paths if _read(p, pairs) is not None), None) if run.rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = None) -> np.ndarray:
+    samples = source.samples
+    key, settings = reference_key(run, samples, weights)
     folder = os.path.join(samples.store.folder, "reference")
     path = os.path.join(folder, f"{key}.npy")
-    found = [run.rank == 0 and _read(path, samples.num_pairs) is not None]
-    dist.broadcast_object_list(found, src=0)  # every rank reads the file, or every rank computes
-    values = _read(path, samples.num_pairs) if found[0] else None
-    if values is not None:
-        run.log(f"reference: log-probs of {samples.num_pairs:,} pairs read from {path}")
+    kept = [os.path.join(checkpoint, "reference", f"{key}.npy")] if checkpoint else []
+    found = _found(run, [path] + kept, samples.num_pairs)
+    if found is not None:
+        values = _read(found, samples.num_pairs)
+        if values is None:
+            raise RuntimeError(f"rank {run.rank} cannot read {found}, which rank 0 read: is it on a shared "
+                               f"filesystem?")
+        run.log(f"reference: log-probs of {int((~samples.identical).sum()):,} pairs read from {found}")
+        run.reference_tables[key] = values
+        run.reference_origins.append("cache" if found == path else "checkpoint")
         return values
-    if found[0]:
-        raise RuntimeError(f"rank {run.rank} cannot read {path}, which rank 0 read: is --data_cache_dir shared?")
     start = time.perf_counter()
-    values = reference_pass(run)
+    values = reference_pass(run, source)
     seconds = time.perf_counter() - start
     if run.rank == 0:
         os.makedirs(folder, exist_ok=True)
@@ -133,23 +160,55 @@ def _cached_or_computed(run) -> np.ndarray:
             json.dump({**settings, "seconds": seconds, "rows": len(samples)}, f, indent=1)
         os.replace(tmp + ".npy", path)  # atomic: a reader sees the whole file or none
     dist.barrier()
-    run.log(f"reference: log-probs of {samples.num_pairs:,} pairs in {len(samples):,} rows computed in "
+    run.log(f"reference: log-probs of {int((~samples.identical).sum()):,} pairs in {len(samples):,} rows computed in "
             f"{seconds:.1f} s (forward under SP), cached in {path}")
+    run.reference_tables[key] = values
+    run.reference_origins.append("computed")
     return values
 
 
-def reference_pass(run) -> np.ndarray:
-    """The forward pass over every row of the dataset (no gradient); each DP group takes every dp-th micro-batch.
+class _Progress:
+    """The reference pass's progress on rank 0 (a pass over a large dataset takes minutes): a bar on a terminal, a
+    log line every tenth of the pass otherwise (--progress lines), nothing with --progress none."""
+
+    def __init__(self, run, total: int):
+        from .metrics import progress_mode
+
+        self.mode = progress_mode(run.cfg.log.progress) if run.rank == 0 else "none"
+        self.run, self.total, self.done, self.start = run, total, 0, time.perf_counter()
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="reference log-probs", unit="batch", dynamic_ncols=True)
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.mode == "lines" and self.done < self.total and self.done % max(1, self.total // 10) == 0:
+            self.run.log(f"reference: {self.done:,} of {self.total:,} micro-batches in "
+                         f"{time.perf_counter() - self.start:.0f} s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def reference_pass(run, source) -> np.ndarray:
+    """The forward pass over every row of `source` (no gradient); each DP group takes every dp-th micro-batch.
     Micro-batches past the last row repeat it and are not counted, so every rank takes part in every collective."""
-    g, micro, samples = run.groups, run.micro, run.source.samples
+    g, micro, samples = run.groups, run.micro, source.samples
     values = torch.zeros(samples.num_pairs, 2, dtype=torch.float64, device=run.device)
     rows = len(samples)
+    firsts = range(0, rows, micro * g.dp_size)
+    progress = _Progress(run, len(firsts))
     run.engine.eval()
     try:
         with torch.no_grad(), reference_context(run.module.model):
-            for first in range(0, rows, micro * g.dp_size):
+            for first in firsts:
                 indices = [first + g.dp_rank * micro + r for r in range(micro)]
-                picked = [run.source.get(min(i, rows - 1)) for i in indices]
+                picked = [source.get(min(i, rows - 1)) for i in indices]
                 batch = preference_batch(picked)
                 shard = shard_batch(run, batch)
                 objective = PreferenceObjective(None, shard_segments(run, batch), batch["scored"],
@@ -159,7 +218,9 @@ def reference_pass(run) -> np.ndarray:
                 counted = torch.tensor([i < rows for i, row in zip(indices, picked) for _ in row.pairs])
                 if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
                     values[batch["pair_ids"][counted].to(run.device)] = objective.sums[counted.to(run.device)]
+                progress.update()
     finally:
+        progress.close()
         run.engine.train()
     dist.all_reduce(values)
     return values.cpu().numpy()
@@ -247,6 +308,29 @@ def _load_reference(run, path: str, params: list) -> None:
                 if run.rank == 0:
                     param.data.copy_(theirs[name])
                 dist.broadcast(param.data, src=0)
+
+
+_GEOMETRY = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def check_reference_config(path: str, model_config) -> None:
+    """--ref_model's config against the model's, before either is built: a model of another architecture or shape
+    is a ConfigError naming what differs (the weights' own check, `_mismatch`, runs when they are loaded)."""
+    from transformers import AutoConfig
+
+    from ..errors import ConfigError
+
+    try:
+        theirs = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--ref_model {path}: its config does not load: {str(e).strip()}") from None
+    ours, theirs = model_config.get_text_config(), theirs.get_text_config()
+    differ = [f"{k} {getattr(theirs, k, None)} against {getattr(ours, k, None)}" for k in _GEOMETRY
+              if getattr(theirs, k, None) != getattr(ours, k, None)]
+    if differ:
+        raise ConfigError(f"--ref_model {path} is not a model of the policy's architecture and shape "
+                          f"({'; '.join(differ[:3])}): give a reference of the same model family and size")
 
 
 def pretrained_weights(path: str, dtype: torch.dtype) -> dict:

@@ -51,8 +51,8 @@ from .resume import (apply_optimizer_settings, apply_schedule, check_trained_sha
 from .run_folder import abandon_newer
 from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
 from .faults import StopFlag
-from .preference import preference_spec
-from .reference import reference_logps
+from .preference import preference_spec, resolve_preference
+from .reference import check_reference_config, checkpoint_arrays, reference_logps
 from .launcher import exit_now
 from .preflight import preflight
 from .run_lock import RunLock
@@ -141,11 +141,14 @@ class Trainer:
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+        method_note = resolve_preference(cfg, explicit)  # --method from the data, packed pairs
         cfg.validate()
         preflight(cfg)  # model, tokenizer and dataset paths, before anything is loaded
         self.cfg, self.seq_len = cfg, verify_seq_len(cfg)
         self.model_config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
         self.model_config.use_cache = False
+        if cfg.pref.ref_model:  # before the data and the model: a reference that cannot stand in stops here
+            check_reference_config(cfg.pref.ref_model, self.model_config)
         base = cfg.base
         self.rope = configure_rope(self.model_config, base.rope_scaling, cfg.data.seq_len, base.rope_factor,
                                    base.rope_theta, base.rope_original_max_positions)
@@ -154,6 +157,8 @@ class Trainer:
         if self.owns_process_group:
             self.resources.callback(destroy_process_groups)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if method_note:
+            self.log(method_note)
         self.stop = StopFlag()
         self.resources.callback(self.stop.restore)
         self.lock = self._lock_output_dir()
@@ -237,7 +242,11 @@ class Trainer:
         self.resources.callback(release_engine, self.engine)
         self.backward_scale = sp_backward_scale(self.ds, sp_size)
         # DPO's reference: the weights before any checkpoint is loaded (train/reference.py)
-        self.reference = reference_logps(self) if self.spec is not None and self.spec.uses_reference else None
+        self.reference = self.eval_reference = None
+        if self.spec is not None and self.spec.uses_reference:
+            sources = [self.source] + ([self.eval_source] if self.eval_source is not None else [])
+            self.reference, *rest = reference_logps(self, *sources, checkpoint=self.plan.checkpoint)
+            self.eval_reference = rest[0] if rest else None
         self.start_step = self._resume()
         # an engine that casts buffers, or a checkpoint that holds rounded ones, is undone too
         after_engine = restore_fp32_buffers(self.module, self.dtype)
@@ -448,7 +457,7 @@ class Trainer:
                  "config": self.cfg.to_dict(), "settings": self.settings}
         path = save_checkpoint(self.engine, self.cfg.output.output_dir, step, state, self.model_config, self.tokenizer,
                                self.rank, self.cfg.output.save_total_limit, adapters=self.adapters,
-                               base_model=self.cfg.base.model)
+                               base_model=self.cfg.base.model, arrays=checkpoint_arrays(self))
         self.log(f"saved checkpoint {path}")
         self.checkpoint = path
         if self.rank == 0 and step < self.cfg.optim.steps:
