@@ -124,3 +124,16 @@ def test_preset_spans_follow_the_published_layer_patterns():
     assert spans["gpt-oss-20b"] == [Span("window", 128), F] * 12
     assert spans["olmo3-7b"] == ([Span("window", 4096)] * 3 + [F]) * 8
     assert spans["qwen3.5-9b"] == ([L] * 3 + [F]) * 8 and spans["qwen3-next-80b-a3b"] == ([L] * 3 + [F]) * 12
+
+
+def test_a_stray_num_experts_in_a_dense_family_counts_a_dense_model():
+    """transformers builds Gemma 2 dense whatever `num_experts` its config.json holds (the probe suite drew
+    `num_experts: 1`, which made the geometry look for experts the family does not have)."""
+    from transformers import AutoConfig
+
+    from ulysses_train.model.geometry import geometry
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, vocab_size=300)
+    assert geometry(AutoConfig.for_model("gemma2", num_experts=1, **shape)) == \
+        geometry(AutoConfig.for_model("gemma2", **shape))

@@ -160,7 +160,7 @@ def _mlp(config, index: int) -> tuple[int, int, int, bool]:
             dense = 3 * h * config.intermediate_size
             return params + dense, matmul + dense, inter + config.intermediate_size, True
         return (*_dense(h, config.intermediate_size_mlp), False)
-    if (getattr(config, "num_experts", 0) or 0) and model != "gemma4_text" and _sparse(config, index):
+    if _declares_experts(config) and model != "gemma4_text" and _sparse(config, index):
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         return (*_experts(h, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                           shared), True)
@@ -174,6 +174,14 @@ def _mlp(config, index: int) -> tuple[int, int, int, bool]:
         # the router's input scale and per-expert scales, and three more norms around the experts
         return params + moe[0] + h + e + 3 * h, matmul + moe[1], width + moe[2], True
     return params, matmul, width, False
+
+
+def _declares_experts(config) -> bool:
+    """Whether the family's config class has routed experts (`num_experts`) and this config sets some: a stray
+    `num_experts` key in a dense family's config.json builds a dense model in transformers, and is counted so."""
+    fields = getattr(type(config), "__dataclass_fields__", None)
+    declared = "num_experts" in fields if fields is not None else hasattr(config, "num_experts_per_tok")
+    return declared and bool(getattr(config, "num_experts", 0) or 0)
 
 
 def _dense(h: int, inter: int, bias: bool = False) -> tuple[int, int, int]:
