@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.trainer_runs import listing_names
 from ulysses_train.errors import CheckpointError, ConfigError
 from ulysses_train.train import checkpoint, manifest, resume, run_folder
 from ulysses_train.train.config import OptimConfig, TrainConfig, parse_args
@@ -276,10 +277,6 @@ def test_a_rollback_moves_newer_checkpoints_and_the_metrics_aside(tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step_00000002"
     fake_checkpoint(out, 3)  # a second rollback to the same step keeps the first one's folder
     assert run_folder.abandon_newer(out, resumed, log=print) == aside + ".2"
-
-
-def listing_names(out):
-    return sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_"))
 
 
 # ---------------------------------------------------------------- settings compared on resume

@@ -53,7 +53,10 @@ def bad_settings(tmp_path, three_head_config) -> dict:
     conflicting.write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 3}}))
     return {
         "sp_not_dividing_world": (["--sp_size", "3"], "--sp_size 3 does not divide the world size 2"),
-        "heads": (["--model_config", three_head_config], "--sp_size 2 must divide the model's 3 attention heads"),
+        # --ring_size auto (the default) would take the 3 heads with a ring of 2: a Ulysses-only run cannot
+        "heads": (["--model_config", three_head_config, "--ring_size", "1"],
+                  "--sp_size 2 must divide the model's 3 attention heads; or keep it with a ring over the rest: "
+                  "--ring_size 2"),
         "seq_len": (["--seq_len", "63"], "--seq_len 63 is not a multiple of --sp_size 2"),
         "ds_contradiction": (["--ds_config", str(conflicting), "--grad_accum", "2"],
                              "--grad_accum 2 contradicts gradient_accumulation_steps = 3"),

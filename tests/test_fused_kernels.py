@@ -144,7 +144,7 @@ def test_fused_model_matches_transformers(family):
 
     from transformers import AutoModelForCausalLM
 
-    from tests.test_surgery import EXPECTED
+    from tests.patch_counts import EXPECTED
     from ulysses_train.model.surgery import install_lean_norms
 
     config, want = any_tiny_config(family), EXPECTED[family]

@@ -231,7 +231,7 @@ def test_a_bf16_merge_says_how_much_of_the_update_it_rounds_away(capsys):
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from ulysses_train.tools.export import _merged_dtype, lost_update_share
+    from ulysses_train.train.export_model import _merged_dtype, lost_update_share
 
     config = tiny_config("qwen3")
     torch.manual_seed(0)

@@ -16,8 +16,7 @@ import time
 
 import pytest
 
-from tests.test_checkpoint_safety import listing_names
-from tests.trainer_runs import ROOT, TRAIN, child_env
+from tests.trainer_runs import ROOT, TRAIN, child_env, listing_names
 from ulysses_train.train import manifest
 
 HANG_GUARD_S = 600  # a hang detector, not a speed requirement

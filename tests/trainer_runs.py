@@ -16,6 +16,11 @@ KEYS = {"step", "loss", "grad_norm", "num_tokens", "conversations", "tokens_per_
         "lr"}
 
 
+def listing_names(out):
+    """The step folders under an output_dir's checkpoints/, oldest first."""
+    return sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_"))
+
+
 def child_env():
     # ROOT first, then whatever the caller had (the GPU host puts its offline wheels on PYTHONPATH)
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)

@@ -25,7 +25,7 @@ the levers' surgery (model/surgery.py). What that gives:
   `ensure_weight_tying` ties the copies, which is what training the one tied weight in place does.
 
 Checkpoints hold the trainable parameters and their optimizer states (train/checkpoint.py); export writes a PEFT
-adapter folder or a merged model (tools/export.py); `--verify` compares against plain transformers + PEFT on the same
+adapter folder or a merged model (train/export_model.py); `--verify` compares against plain transformers + PEFT on the same
 weights (train/verify_reference.py). The names below map our parameters to PEFT's.
 """
 

@@ -160,8 +160,8 @@ class Trainer:
         ulysses_train.export` does. `path` must not hold files yet."""
         import torch.distributed as dist
 
-        from ..tools.export import export
         from .checkpoint import checkpoint_step
+        from .export_model import export
 
         run, path = self._live(), os.fspath(path)
         if run.checkpoint is None or checkpoint_step(run.checkpoint) != self.step:
