@@ -9,7 +9,8 @@ import pytest
 from ulysses_train.errors import ConfigError
 from ulysses_train.train.config import build_parser, parse_args
 from ulysses_train.train.config_groups import REPO_ROOT
-from ulysses_train.train.ds_config import load_ds_config, resolve_ds_config
+from ulysses_train.train.ds_config import resolve_ds_config
+from ulysses_train.train.ds_file import load_ds_config
 from ulysses_train.train.launcher import expand_nodelist, normalise_launcher_env
 from ulysses_train.sp.dims import ParallelDims, check_heads, check_lengths, valid_sp_sizes, validate
 
@@ -320,7 +321,7 @@ def test_the_key_allow_list_covers_every_top_level_key_deepspeed_reads():
     be allowed (a DeepSpeed upgrade that reads a new key fails here, naming it)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from ulysses_train.train.ds_config import DEEPSPEED_TOP_LEVEL_KEYS
+    from ulysses_train.train.ds_file import DEEPSPEED_TOP_LEVEL_KEYS
 
     read = set()
 

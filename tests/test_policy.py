@@ -13,7 +13,8 @@ from ulysses_train.model.geometry import geometry
 from ulysses_train.sp.dims import valid_sp_sizes
 from ulysses_train.tools import plan
 from ulysses_train.train.config import parse_args
-from ulysses_train.train.ds_config import load_ds_config, resolve_ds_config
+from ulysses_train.train.ds_config import resolve_ds_config
+from ulysses_train.train.ds_file import load_ds_config
 from ulysses_train.train.trainer import run_levers
 
 GPU_GIB, HOST_GIB = 139.7, 125.0

@@ -17,7 +17,7 @@ from tests.trainer_runs import ROOT, TRAIN, child_env, metrics
 from tests.wandb_files import wandb_records
 from ulysses_train.errors import ConfigError
 from ulysses_train.train.config import parse_args
-from ulysses_train.train.tracking import parse_report_to
+from ulysses_train.train.flag_checks import parse_report_to
 
 pytest.importorskip("wandb", reason="the [track] extra: pip install -e '.[track]'")
 pytest.importorskip("mlflow", reason="the [track] extra: pip install -e '.[track]'")

@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from .lean_norm import LLAMA, NormRule
+from .lean_norm import LLAMA, NormRule, norm_epsilon
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,3 +309,9 @@ def _launch_gated_mul(gate, up, grad_out, out, grad_up, act: str):
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def fused_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The forward of an RMSNorm module as one Triton kernel each way (`--fused_kernels`; model/surgery.py installs
+    it and sets `_norm_rule`, as for lean_norm.lean_forward)."""
+    return rms_norm(hidden_states, self.weight, norm_epsilon(self), self._norm_rule)

@@ -91,10 +91,3 @@ def norm_epsilon(module: torch.nn.Module) -> float:
 def lean_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """The forward of an RMSNorm module, lean (model/surgery.py installs it and sets `_norm_rule`)."""
     return _RMSNormFunction.apply(hidden_states, self.weight, norm_epsilon(self), self._norm_rule)
-
-
-def fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The same as one Triton kernel each way (`--fused_kernels`)."""
-    from .fused_kernels import rms_norm
-
-    return rms_norm(hidden_states, self.weight, norm_epsilon(self), self._norm_rule)

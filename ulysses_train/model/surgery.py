@@ -34,9 +34,9 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
-from ..levers.fused_kernels import (GatedMulFunction, RotaryFunction, kernels_run_on, rotary_fits,
-                                    triton_importable)
-from ..levers.lean_norm import fused_forward, lean_forward
+from ..levers.fused_kernels import (GatedMulFunction, RotaryFunction, fused_norm_forward, kernels_run_on,
+                                    rotary_fits, triton_importable)
+from ..levers.lean_norm import lean_forward
 from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
 from ..levers.policy import Levers, LeverRequest
@@ -119,7 +119,7 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
 def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
     """Every module computing one of transformers' RMSNorm arithmetics (Llama's, T5's, zero-centred: lean_norm.py)
     saves less for its backward, computing the same; fused: one Triton kernel each way."""
-    tag, forward = ("Fused", fused_forward) if fused else ("Lean", lean_forward)
+    tag, forward = ("Fused", fused_norm_forward) if fused else ("Lean", lean_forward)
     patched = 0
     for module in model.modules():
         rule = None if type(module) in _SUBCLASSES.values() else rms_norm_rule(type(module))

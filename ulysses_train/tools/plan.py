@@ -29,7 +29,9 @@ from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_lever
 from ..model.geometry import geometry
 from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
 from ..train.config import ring_size_number
-from ..train.ds_config import lever_choices, load_ds_config
+from ..train.ds_config import lever_choices
+from ..train.ds_file import load_ds_config
+from .plan_command import launch_command, main as plan_command_main
 
 # cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices)
 LEVER_LADDER = [
@@ -192,15 +194,6 @@ def _table(rows, unit: str = "GiB") -> str:
                      for k, v in rows)
 
 
-def launch_command(gpus: int, train_flags: list[str]) -> str:
-    """The command that starts the planned run on `gpus` GPUs (8 a node: more take a hostfile), copyable."""
-    import shlex
-
-    nodes = "" if gpus <= 8 else f"--num_nodes {math.ceil(gpus / 8)} --hostfile HOSTFILE "
-    return f"deepspeed {nodes}--num_gpus {min(gpus, 8)} launch/train.py " + " ".join(shlex.quote(f) for f in
-                                                                                     train_flags)
-
-
 def _planned_flags(a: argparse.Namespace, sp: int, ring: int, levers: Levers) -> list[str]:
     """launch/train.py's flags for the plan: the model, the length, the layout and the levers that fit."""
     flags = [f"--model {a.model}" if a.model else f"--model_config {a.model_config or 'tiny'}"]
@@ -304,13 +297,11 @@ def _main(argv=None) -> int:
         calibrate(a.calibrate)
         return 0
     if train_argv is not None:
-        from . import plan_command
-
         if a.ring_size != "auto":
             p.error("with a command, give --ring_size among its flags (after --)")
         a.seq_len, a.ring_size = a.seq_len or 1, None  # the command gives the length and the ring
         check_numbers(a)
-        return plan_command.main(a, train_argv)
+        return plan_command_main(a, train_argv)
     if a.fastest:
         p.error("--fastest plans a command: give the flags of launch/train.py after --")
     if not a.longest and a.seq_len is None:

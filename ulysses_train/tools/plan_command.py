@@ -85,7 +85,8 @@ def _kernel(name: str, config) -> str:
 def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
     from ..train.config import parse_args
-    from ..train.ds_config import lever_choices, load_ds_config, resolve_ds_config
+    from ..train.ds_config import lever_choices, resolve_ds_config
+    from ..train.ds_file import load_ds_config
     from ..train.preference import resolve_preference
     from ..train.trainer import run_geometry, run_levers
 
@@ -249,6 +250,15 @@ def longest(train_argv: list[str], machine: Machine, constants: Constants, any_p
     return lo * step
 
 
+def launch_command(gpus: int, train_flags: list[str]) -> str:
+    """The command that starts the planned run on `gpus` GPUs (8 a node: more take a hostfile), copyable."""
+    import shlex
+
+    nodes = "" if gpus <= 8 else f"--num_nodes {math.ceil(gpus / 8)} --hostfile HOSTFILE "
+    return f"deepspeed {nodes}--num_gpus {min(gpus, 8)} launch/train.py " + " ".join(shlex.quote(f) for f in
+                                                                                     train_flags)
+
+
 def main(plan_args, train_argv: list[str]) -> int:
     """`plan [--longest] [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit;
     with --longest, at the longest --seq_len that fits."""
@@ -268,8 +278,6 @@ def main(plan_args, train_argv: list[str]) -> int:
         print(f"longest sequence that fits: {seq_len:,} tokens" + (" (some plan of the search)" if plan_args.fastest
                                                                     else " (the command's levers as they resolve)"))
         train_argv = train_argv + ["--seq_len", str(seq_len)]
-    from .plan import launch_command
-
     c = command(train_argv, machine)
     print(report(evaluate(c, machine, constants), c, machine))
     if not plan_args.fastest:

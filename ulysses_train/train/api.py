@@ -146,7 +146,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """The eval set's loss at the current weights ({"eval_loss", "eval_tokens", "eval_samples", ...}), under SP
         as during training: --eval_dataset, or the share of --dataset that --val_set_size holds out."""
-        from .evaluate import evaluate
+        from .loop import evaluate
 
         run = self._live()
         if run.eval_source is None:

@@ -23,7 +23,8 @@ from ..levers.policy import LeverRequest
 from . import aliases, field_files, field_keys
 from .config_groups import (FLAGS, GROUPS, Settings, AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
                             OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
-from .ds_config import load_ds_config
+from .ds_file import load_ds_config
+from .flag_checks import check_preference_flags, parse_report_to
 
 
 @dataclass
@@ -95,8 +96,6 @@ class TrainConfig(Settings):
         if base.model and base.model_config:
             raise ConfigError("--model and --model_config are mutually exclusive: give one of them")
         ring_size_number(self.parallel.ring_size)
-        from .tracking import parse_report_to
-
         parse_report_to(self.log.report_to, self.log.tensorboard)  # an unknown tracker or a missing package
         self._validate_evaluation()
         self._validate_resume()
@@ -112,8 +111,6 @@ class TrainConfig(Settings):
         if data.dataset:
             dataset_entries(data.dataset)  # a mixture's entries: their keys and shares
         parse_role_map(data.role_map)
-        from .preference import check_preference_flags
-
         check_preference_flags(self)  # --method, --beta, --loss_type, --simpo_gamma, --max_length
         if optim.epochs is not None and not data.dataset:
             raise ConfigError("--epochs needs --dataset (generated tokens never end: give --steps)")

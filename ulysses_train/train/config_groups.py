@@ -17,14 +17,15 @@ from ..levers.preference_loss import LOSS_TYPES, METHODS
 from ..levers.rope import ROPE_SCALINGS
 from ..sp.kernels import ATTN_KERNELS
 from ..sp.linear_kernel import LINEAR_KERNELS
-from .metrics import PROGRESS
-from .schedule import LR_SCHEDULES
 
-# The choices of the flags whose choices live here; the other tuples come from the modules that act on them. Each
+# The choices of the flags whose choices live here (train/ modules read these: the config is the room below them);
+# the other tuples come from the lower packages' modules that act on them. Each
 # field's type is Literal[<tuple>], and the parser reads the choices back from that type.
 DTYPES = ("auto", "bf16", "fp32")
 LAST_SAMPLE = ("drop", "pad")
 LEAN_NORM = (*AUTO_ON_OFF, "true", "false")  # true and false as when the flag was a switch
+LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")  # schedule.py builds them
+PROGRESS = ("auto", "bar", "lines", "none")  # metrics.py draws them
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

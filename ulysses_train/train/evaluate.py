@@ -5,7 +5,8 @@ full length through the same sharded path as training (no switching SP off, so w
 The loss is the mean over every trainable token of those samples, the same normalisation as the training loss.
 Micro-batches past the last sample are run with no target, so every rank takes part in every collective.
 Preference pairs (--method dpo|simpo|orpo) are evaluated the same way with their own loss and TRL's metrics
-(eval_rewards/margins, ...: train/preference.py), DPO's against the reference log-probs of the eval pairs.
+(eval_rewards/margins, ...: train/preference.py), DPO's against the reference log-probs of the eval pairs; the
+run's `step_kind` says which (train/step_kind.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ from .shards import shard_batch
 
 
 def evaluate(run, source, max_samples: Optional[int]) -> dict:
-    if getattr(run, "spec", None) is not None:  # preference pairs: their loss and TRL's metrics (train/preference.py)
-        from .preference import evaluate_pairs
-
-        return evaluate_pairs(run, source, run.eval_reference, max_samples)
     g, micro = run.groups, run.micro
     n = source.num_samples if max_samples is None else min(source.num_samples, max_samples)
     totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # (cross-entropy summed, trainable tokens)

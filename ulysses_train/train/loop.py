@@ -14,9 +14,10 @@ import torch.distributed as dist
 from ..data.sources import trainable_tokens
 from .faults import check_grad_norm, inject_at_step, loss_is_skipped
 from .memory_profile import ProfileFirstSteps
-from .evaluate import evaluate
+from .evaluate import evaluate as evaluate_tokens
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 from .shards import shard_batch
+from .step_kind import StepKind
 
 
 def step_counts(run, batches: list[dict]) -> torch.Tensor:
@@ -53,14 +54,10 @@ def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor,
     return total, False
 
 
-def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def accumulate_tokens(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Every micro-step of optimizer step `step` (1-based), and the engine's optimizer step after the last unless
     `finish` is False (--verify stops before it). Returns the loss (the mean over the step's trainable tokens, on
     every rank), the counts ([trainable tokens, conversations], step_counts), and whether the step was skipped."""
-    if run.cfg.pref.method != "sft":  # preference pairs: the same step with their objective
-        from .preference import accumulate as accumulate_pairs
-
-        return accumulate_pairs(run, step, finish)
     batches = [run.micro_batch(step - 1, m) for m in range(run.accum)]
     counts = step_counts(run, batches)
     normalizer = counts[0]
@@ -73,6 +70,19 @@ def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch
     if run.groups.dp_size > 1:
         dist.all_reduce(total, group=run.groups.dp_group)
     return total, counts, skipped
+
+
+TOKENS = StepKind(accumulate_tokens, evaluate_tokens)  # SFT; preference.PAIRS for pairs
+
+
+def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Optimizer step `step`'s micro-steps as the run's data trains them (train/step_kind.py)."""
+    return run.step_kind.accumulate(run, step, finish)
+
+
+def evaluate(run, source, max_samples) -> dict:
+    """The eval set's loss and metrics as the run's data scores them (train/step_kind.py)."""
+    return run.step_kind.evaluate(run, source, max_samples)
 
 
 def train_step(run, step: int) -> dict:

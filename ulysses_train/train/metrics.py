@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 
-PROGRESS = ("auto", "bar", "lines", "none")
 KEYS = ("step", "loss", "grad_norm", "num_tokens", "num_positions", "conversations", "tokens_per_s",
         "trained_tokens_per_s", "step_time_s", "peak_mem_gib", "lr")
 

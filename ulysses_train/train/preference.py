@@ -1,5 +1,5 @@
-"""Preference training in the loop (--method dpo|simpo|orpo): the flags' checks, a step's counts, each micro-batch's
-objective, and the metrics TRL logs.
+"""Preference training in the loop (--method dpo|simpo|orpo): a step's counts, each micro-batch's
+objective, and the metrics TRL logs (the flags themselves: flag_checks.py).
 
 A step is the SFT step (loop.py) with another objective: every rank of an SP group holds the micro-batch's whole
 rows of pairs (data/pair_packing.py), shards them with their `segments`, and the LM head returns the preference loss
@@ -30,6 +30,8 @@ from ..errors import ConfigError
 from ..levers.preference_loss import PreferenceObjective, PreferenceSpec, pair_stats, pair_terms, step_means
 from ..sp.sharding import shard_sequence
 from .loop import forward_backward
+from .shards import shard_batch
+from .step_kind import StepKind
 
 
 _SFT_FORMAT_FLAGS = ("data_format", "text_column", "messages_field", "loss_on")
@@ -56,41 +58,6 @@ def resolve_preference(cfg, explicit: set[str]) -> Optional[str]:
     if cfg.pref.method != "sft" and "packing" not in explicit:
         data.packing = True  # several pairs a row; --packing false keeps one pair a row
     return note
-
-
-def check_preference_flags(cfg) -> None:
-    """The preference flags against each other and the rest (TrainConfig.validate calls it, after their bounds)."""
-    pref, data = cfg.pref, cfg.data
-    defaults = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5, "max_length": None,
-                "max_prompt_length": None, "ref_model": None}
-    if pref.method == "sft":
-        given = [f"--{k}" for k, v in defaults.items() if getattr(pref, k) != v]
-        if given:
-            raise ConfigError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to preference training: "
-                              f"give --method dpo, simpo or orpo")
-        return
-    if not data.dataset:
-        raise ConfigError(f"--method {pref.method} trains on preference pairs: give --dataset with `prompt`, `chosen` "
-                          f"and `rejected` columns (or `chosen` and `rejected` sharing the prompt)")
-    if pref.loss_type != "sigmoid" and pref.method != "dpo":
-        raise ConfigError(f"--loss_type {pref.loss_type} applies to --method dpo ({pref.method} has its own loss)")
-    if pref.simpo_gamma != defaults["simpo_gamma"] and pref.method != "simpo":
-        raise ConfigError("--simpo_gamma applies to --method simpo")
-    if pref.ref_model and pref.method != "dpo":
-        raise ConfigError(f"--ref_model is DPO's reference: --method {pref.method} has none")
-    if pref.ref_model and cfg.adapters.use_peft:
-        raise ConfigError("--ref_model with --use_peft: a LoRA run's reference is its base model with the adapters "
-                          "off; leave --ref_model unset, or train every weight without --use_peft")
-    if data.data_format != "auto" or cfg.sft.loss_on not in ("auto", "completion") or data.text_column:
-        raise ConfigError(f"--method {pref.method} reads preference pairs (prompt/chosen/rejected) and scores their "
-                          f"completions: leave --data_format, --loss_on and --text_column unset")
-    if pref.max_prompt_length is not None and pref.max_length is not None and \
-            pref.max_prompt_length >= pref.max_length:
-        raise ConfigError(f"--max_prompt_length {pref.max_prompt_length} leaves no token of completion in a side of "
-                          f"--max_length {pref.max_length}: lower it below --max_length")
-    if pref.max_length is not None and 2 * pref.max_length > data.seq_len:
-        raise ConfigError(f"--seq_len {data.seq_len} holds both sides of a pair: it must be at least 2 x --max_length "
-                          f"({pref.max_length})")
 
 
 def preference_spec(cfg) -> Optional[PreferenceSpec]:
@@ -126,7 +93,7 @@ def objective_for(run, batch: dict, counts: torch.Tensor) -> PreferenceObjective
 
 
 def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """loop.accumulate for preference pairs: every micro-step of optimizer step `step` (1-based) and the optimizer
+    """loop.accumulate_tokens for preference pairs: every micro-step of optimizer step `step` (1-based) and the optimizer
     step unless `finish` is False. Returns the loss, [scored tokens, pairs] and whether the step was skipped; leaves
     the step's metrics in `run.preference_stats`."""
     keys = run.spec.stat_keys()
@@ -153,8 +120,6 @@ def evaluate_pairs(run, source, reference: Optional[np.ndarray], max_samples: Op
     """--eval_dataset's pairs (train/evaluate.py's loop: forward only under SP, each DP group every dp-th
     micro-batch, rows past the end run but not counted): the training objective's loss over the eval pairs (the
     pair terms' mean; ORPO adds the chosen tokens' NLL mean) and the metrics TRL logs, as eval_<name>."""
-    from .shards import shard_batch
-
     g, micro, spec = run.groups, run.micro, run.spec
     n = source.num_samples if max_samples is None else min(source.num_samples, max_samples)
     keys = spec.stat_keys()
@@ -224,3 +189,10 @@ def unpack_pairs(batch: dict) -> list[dict]:
     if len(out) != len(batch["scored"]) or any(len(pair) != 5 for pair in out):
         raise RuntimeError("a pair of the batch lacks a side")
     return out
+
+
+def _evaluate_run_pairs(run, source, max_samples: Optional[int]) -> dict:
+    return evaluate_pairs(run, source, run.eval_reference, max_samples)
+
+
+PAIRS = StepKind(accumulate, _evaluate_run_pairs)  # the trainer's step_kind for --method dpo|simpo|orpo

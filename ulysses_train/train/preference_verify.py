@@ -19,7 +19,7 @@ import torch
 
 from ..levers.preference_loss import PreferenceObjective, PreferenceSpec
 from .preference import unpack_pairs
-from .verify import BF16_FLOOR, FP32_LIMIT
+from .verify_limits import BF16_FLOOR, FP32_LIMIT
 from .verify_reference import reference_buffers, reference_grads, reference_model
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
 
 def warmup_steps(steps: int, warmup: Optional[int], ratio: Optional[float]) -> int:

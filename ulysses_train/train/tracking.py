@@ -25,7 +25,6 @@ where it was writing to, instead of failing after the model is built, or being t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from typing import Optional
@@ -34,28 +33,10 @@ import torch.distributed as dist
 
 from ..deadline import DeadlineExceeded, deadline
 from ..errors import ConfigError
+from .flag_checks import parse_report_to
 
-TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 PROJECT = "ulysses-train"
 START_TIMEOUT_S = 90.0  # as long as wandb.init waits for its own service by default
-
-
-def parse_report_to(value: str, tensorboard_flag: bool = False) -> list[str]:
-    """`--report_to` as a list (comma-separated, `none` for nothing); `--tensorboard` adds tensorboard. Raises a
-    ConfigError for an unknown name or a tracker whose package is missing."""
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        raise ConfigError(f"--report_to {value}: unknown tracker {', '.join(unknown)}; choose from "
-                          f"{', '.join(TRACKERS)} (several with commas)")
-    chosen = [n for n in names if n != "none"] + (["tensorboard"] if tensorboard_flag else [])
-    chosen = list(dict.fromkeys(chosen))
-    missing = [n for n in chosen if importlib.util.find_spec(PACKAGES[n]) is None]
-    if missing:
-        raise ConfigError(f"--report_to {','.join(missing)}: the {' and '.join(PACKAGES[n] for n in missing)} "
-                          f"package is not installed: pip install -e \".[track]\", or leave it out of --report_to")
-    return chosen
 
 
 class Trackers:

@@ -49,9 +49,11 @@ from .config import TrainConfig, ring_size_number, write_resolved_config
 from .resume import (apply_optimizer_settings, apply_schedule, check_trained_shapes, dataset_setting, plan_run,
                      training_settings)
 from .run_folder import abandon_newer
-from .ds_config import lever_choices, load_ds_config, resolve_ds_config, resolved_lr
+from .ds_config import lever_choices, resolve_ds_config, resolved_lr
+from .ds_file import load_ds_config
 from .faults import StopFlag
-from .preference import preference_spec, resolve_preference
+from .loop import TOKENS
+from .preference import PAIRS, preference_spec, resolve_preference
 from .reference import check_reference_config, checkpoint_arrays, reference_logps
 from .launcher import exit_now
 from .preflight import preflight
@@ -236,6 +238,7 @@ class Trainer:
         if self._hf_ds is not None:  # models built after this run are plain again
             self.resources.callback(unset_hf_deepspeed_config)
         self.spec = preference_spec(cfg)  # None for SFT
+        self.step_kind = TOKENS if self.spec is None else PAIRS  # what the loop's step and evaluation are
         module = CausalLMWithSPLoss if self.spec is None else PreferenceLMWithSPLoss
         self.module = module(self._build_model(), self.groups.sp_group)
         self.engine = self._init_engine()

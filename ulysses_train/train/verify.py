@@ -48,10 +48,10 @@ from ..errors import ConfigError
 from .faults import NonFiniteError
 from .loop import accumulate
 from .trainer import verify_folder
+from .preference_verify import PreferenceReference, format_reference_line
+from .verify_limits import BF16_FLOOR, FP32_LIMIT
 from .verify_reference import reference_step, supports_sdpa
 
-BF16_FLOOR = 2.0**-15  # ~3e-5 relative: the least error a bf16 statistic is held to (times 2)
-FP32_LIMIT = 1e-4  # relative: reduction order, chunked loss and partitioned gradients in fp32
 STATS = ("loss", "grad_norm", "grad_whole", "grad_median", "grad_max")
 LABELS = {"loss": "loss", "grad_norm": "grad norm", "grad_whole": "whole gradient",
           "grad_median": "per-tensor grad, median", "grad_max": "per-tensor grad, max"}
@@ -216,8 +216,6 @@ def format_report(result: dict) -> str:
         lines.append(_row(LABELS[key], ours[key], theirs[key] if theirs else None, lim[key]))
     lines.append(f"  worst tensor (ours): {ours['worst_tensor']}")
     if "reference_logps" in result:  # DPO (train/preference_verify.py)
-        from .preference_verify import format_reference_line
-
         lines.append(format_reference_line(result["reference_logps"]))
     bad = result["buffer_mismatches"]
     lines.append(f"  buffers: {result['buffers']} compared with plain transformers', "
@@ -239,8 +237,6 @@ def _reference_for(trainer):
     """reference_step, or for preference training its counterpart on whole pairs (train/preference_verify.py)."""
     if trainer.spec is None:
         return reference_step
-    from .preference_verify import PreferenceReference
-
     return PreferenceReference(trainer.spec, weights_are_reference=trainer.start_step == 0,
                                ref_model=trainer.cfg.pref.ref_model)
 
