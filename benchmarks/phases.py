@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from ulysses_train.train.phases import wrap_phases
+from ulysses_train.train.step.phases import wrap_phases
 
 ATTN_FWD = ("scaled_dot_product_cudnn_attention", "scaled_dot_product_flash_attention",
             "scaled_dot_product_efficient_attention", "flash_attn_forward", "flash_attn_varlen_forward",

@@ -93,11 +93,11 @@ def main():
     parser.add_argument("--trace", default=None, help="with --profile_step: write the Chrome trace here")
     args = parser.parse_args(argv[:split])
 
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.launcher import normalise_launcher_env
-    from ulysses_train.train.loop import train
-    from ulysses_train.train.metrics import host_peak_gib
-    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.process.launcher import normalise_launcher_env
+    from ulysses_train.train.step.loop import train
+    from ulysses_train.train.step.metrics import host_peak_gib
+    from ulysses_train.train.run.trainer import Trainer
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, explicit = parse_args(argv[split + 1:])
@@ -147,6 +147,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from ulysses_train.train.launcher import exit_now
+    from ulysses_train.train.process.launcher import exit_now
 
     exit_now(0)  # see exit_now: no process-group teardown

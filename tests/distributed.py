@@ -10,7 +10,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from ulysses_train.train.launcher import free_port
+from ulysses_train.train.process.launcher import free_port
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, use_deepspeed: bool, backend: str):

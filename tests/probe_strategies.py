@@ -12,8 +12,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ulysses_train.sp.support import FAMILIES
-from ulysses_train.train import aliases
-from ulysses_train.train.config_groups import FLAGS
+from ulysses_train.train.config import aliases
+from ulysses_train.train.config.groups import FLAGS
 
 # flags that name files, folders or hub ids: probed with values that cannot touch the user's files (a missing path,
 # a name that is no hub id), never with a real folder to write into

@@ -96,7 +96,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from ulysses_train import Trainer, TrainConfig
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.checkpoint import consolidated_state
+from ulysses_train.train.checkpoints.checkpoint import consolidated_state
 
 out, chats, tokenizer, template = sys.argv[1:5]
 config = TrainConfig.from_flags({"learning_rate": 3e-3, "max_seq_length": 128, "max_steps": 3, "bf16": False})

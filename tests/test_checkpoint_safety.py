@@ -12,8 +12,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.trainer_runs import listing_names
 from ulysses_train.errors import CheckpointError, ConfigError
-from ulysses_train.train import checkpoint, manifest, resume, run_folder
-from ulysses_train.train.config import OptimConfig, TrainConfig, parse_args
+from ulysses_train.train.checkpoints import checkpoint, manifest, resume, run_folder
+from ulysses_train.train.config.train_config import OptimConfig, TrainConfig, parse_args
 
 SHARD = os.path.join("ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
 
@@ -380,7 +380,7 @@ def test_the_plan_says_nothing_to_do_and_refuses_schedule_overrides_under_a_ds_c
 
 
 def test_the_schedule_follows_the_new_settings_from_the_resumed_step():
-    from ulysses_train.train.schedule import warmup_cosine
+    from ulysses_train.train.step.schedule import warmup_cosine
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([param], lr=3e-3)
@@ -401,7 +401,7 @@ def test_the_schedule_follows_the_new_settings_from_the_resumed_step():
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, capsys):
-    from ulysses_train.train.metrics import MetricsLogger
+    from ulysses_train.train.step.metrics import MetricsLogger
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
     with MetricsLogger(str(tmp_path), 5, True, start_step=2):
@@ -527,7 +527,7 @@ def _save_onto_a_full_disk(rank, world, out):
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from ulysses_train.train import disk_space
+    from ulysses_train.train.checkpoints import disk_space
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))

@@ -184,7 +184,7 @@ def test_export_round_trip_gives_the_training_time_logits(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from ulysses_train.train.export_model import export
+    from ulysses_train.train.checkpoints.export_model import export
     from ulysses_train.model.build import load_model_config
 
     folder = tmp_path / "base"

@@ -7,11 +7,11 @@ import re
 import pytest
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config import build_parser, parse_args
-from ulysses_train.train.config_groups import REPO_ROOT
-from ulysses_train.train.ds_config import resolve_ds_config
-from ulysses_train.train.ds_file import load_ds_config
-from ulysses_train.train.launcher import expand_nodelist, normalise_launcher_env
+from ulysses_train.train.config.train_config import build_parser, parse_args
+from ulysses_train.train.config.groups import REPO_ROOT
+from ulysses_train.train.config.ds_config import resolve_ds_config
+from ulysses_train.train.config.ds_file import load_ds_config
+from ulysses_train.train.process.launcher import expand_nodelist, normalise_launcher_env
 from ulysses_train.sp.dims import ParallelDims, check_heads, check_lengths, valid_sp_sizes, validate
 
 ZERO3 = os.path.join(REPO_ROOT, "ds_configs", "zero3.json")
@@ -321,7 +321,7 @@ def test_the_key_allow_list_covers_every_top_level_key_deepspeed_reads():
     be allowed (a DeepSpeed upgrade that reads a new key fails here, naming it)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from ulysses_train.train.ds_file import DEEPSPEED_TOP_LEVEL_KEYS
+    from ulysses_train.train.config.ds_file import DEEPSPEED_TOP_LEVEL_KEYS
 
     read = set()
 
@@ -360,7 +360,7 @@ def test_conversation_flags_need_a_dataset(argv):
 
 
 def test_a_missing_chat_template_is_named_before_any_work(tmp_path):
-    from ulysses_train.train.preflight import preflight
+    from ulysses_train.train.run.preflight import preflight
 
     (tmp_path / "chats.jsonl").write_text("")
     cfg, _ = parse_args(["--dataset", str(tmp_path / "chats.jsonl"), "--chat_template", str(tmp_path / "t.jinja")])

@@ -1,4 +1,4 @@
-"""The configuration grouped by concern (train/config_groups.py, train/config.py): YAML flat or grouped,
+"""The configuration grouped by concern (train/config/groups.py, train/config/train_config.py): YAML flat or grouped,
 config.yaml grouped and read back, --help in one section per group, every bound checked and named by its flag, the parser's types read from the
 annotations, and TrainConfig built from its groups (no processes)."""
 
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config import (FLAGS, GROUPS, AdapterConfig, DataConfig, OptimConfig, TrainConfig,
+from ulysses_train.train.config.train_config import (FLAGS, GROUPS, AdapterConfig, DataConfig, OptimConfig, TrainConfig,
                                         build_parser, config_from, parse_args, write_resolved_config)
 
 FLAT = {"seq_len": 256, "packing": True, "learning_rate": 3e-4, "steps": 7, "sp_size": 2, "use_peft": True,
@@ -115,8 +115,8 @@ def test_the_parser_takes_its_types_and_choices_from_the_annotations():
         parse_args(["--seq_len", "1.5"])
     with pytest.raises(ConfigError, match="--dtype: invalid choice: 'fp16'"):
         parse_args(["--dtype", "fp16"])
-    for module in ("config.py", "config_groups.py"):
-        path = os.path.join(os.path.dirname(__file__), "..", "ulysses_train", "train", module)
+    for module in ("train_config.py", "groups.py"):
+        path = os.path.join(os.path.dirname(__file__), "..", "ulysses_train", "train", "config", module)
         assert "eval(" not in open(path).read()
 
 

@@ -205,7 +205,7 @@ def test_verify_passes_for_the_deltanet_families_at_sp2_packed_and_not(tmp_path)
     """`--verify` (the trainer as configured: ZeRO-3, every lever the policy picks, our fused loss) at SP=2 against
     plain transformers, one trainer after another in one launch: Qwen3.5 on one sequence; Qwen3.5-MoE (with its
     router's load-balancing loss) and Qwen3-Next on packed rows of pre-tokenized documents, whose reference runs
-    each document alone (train/verify_reference.py: forward_by_document)."""
+    each document alone (train/verify/reference_model.py: forward_by_document)."""
     import json
 
     from tests.verify_runs import verify_settings

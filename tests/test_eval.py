@@ -30,12 +30,12 @@ def _evaluate_against_transformers(rank, world, files, settings, trained):
     `trained` run through the training loop, which evaluates every --eval_steps and after the last step."""
     import torch
 
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.evaluate import evaluate
-    from ulysses_train.train.loop import train
-    from ulysses_train.train.trainer import Trainer
-    from ulysses_train.train.verify import _gather_weights
-    from ulysses_train.train.verify_reference import reference_step
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.step.evaluate import evaluate
+    from ulysses_train.train.step.loop import train
+    from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.verify.verify import _gather_weights
+    from ulysses_train.train.verify.reference_model import reference_step
 
     results = []
     for i, extra in enumerate(settings):
@@ -93,8 +93,8 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     from ulysses_train.data.load import _Loader
     from ulysses_train.data.mixture import dataset_entries
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.preflight import preflight
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.run.preflight import preflight
 
     for extra in (["--eval_steps", "2"], ["--eval_samples", "3"], ["--eval_split", "test"], ["--evals_per_epoch", "2"]):
         with pytest.raises(ConfigError, match="needs? (an eval set: --eval_dataset or --val_set_size|--eval_dataset)"):
@@ -155,7 +155,7 @@ def test_an_evaluation_without_a_target_reports_no_loss_not_zero(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from ulysses_train.train.evaluate import evaluate
+    from ulysses_train.train.step.evaluate import evaluate
 
     class Source:
         num_samples = 2

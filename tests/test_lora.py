@@ -1,7 +1,7 @@
 """LoRA (PEFT) under Ulysses SP and ZeRO-3: exact against plain transformers + PEFT, resumed bit for bit, exported in
 PEFT's format and merged, with the training-time logits.
 
-One launch of 4 ranks builds several trainers (model/adapters.py, train/trainer.py):
+One launch of 4 ranks builds several trainers (model/adapters.py, train/run/trainer.py):
 - `--verify` at SP=4 and at DP=2 x SP=2 with two micro-steps: one step against a single process of plain
   transformers + PEFT (`get_peft_model`, the same LoraConfig and modules_to_save) on the same weights and tokens,
   LoRA-B drawn non-zero so that A's gradients are not zero; the loss and every trainable parameter's gradient, under
@@ -30,8 +30,8 @@ LINEARS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def _trainer(argv):
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.run.trainer import Trainer
 
     cfg, explicit = parse_args(argv)
     return Trainer(cfg, explicit)
@@ -61,8 +61,8 @@ def _logits(trainer) -> torch.Tensor:
 
 
 def _launch(rank, world, verify_settings, base, tmp):
-    from ulysses_train.train.loop import train
-    from ulysses_train.train.verify import run_verify
+    from ulysses_train.train.step.loop import train
+    from ulysses_train.train.verify.verify import run_verify
 
     results = {"verify": []}
     for i, argv in enumerate(verify_settings):
@@ -231,7 +231,7 @@ def test_a_bf16_merge_says_how_much_of_the_update_it_rounds_away(capsys):
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from ulysses_train.train.export_model import _merged_dtype, lost_update_share
+    from ulysses_train.train.checkpoints.export_model import _merged_dtype, lost_update_share
 
     config = tiny_config("qwen3")
     torch.manual_seed(0)
@@ -258,7 +258,7 @@ def test_adapter_settings_a_user_can_get_wrong_are_named():
     from tests.models import tiny_config
     from ulysses_train.errors import ConfigError
     from ulysses_train.model.adapters import AdapterSpec, add_adapters, check_4bit
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     def adapters(**spec):
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))

@@ -1,4 +1,4 @@
-"""The adapter settings a user can get wrong, each named (model/adapters.py, train/resume.py, train/disk_space.py):
+"""The adapter settings a user can get wrong, each named (model/adapters.py, train/checkpoints/resume.py, train/checkpoints/disk_space.py):
 
 - resuming: the settings that decide which tensors are trained and their shapes (--use_peft, --lora_r,
   --lora_target_modules, --lora_modules_to_save) are refused on resume with one message, never offered as an
@@ -40,8 +40,8 @@ def _settings_check(old_flags: list, new_flags: list):
     """compare_settings of a checkpoint saved with `old_flags` against a run launched with `new_flags`: the
     refusal's message, or None when the run may resume."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.resume import compare_settings, training_settings
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.checkpoints.resume import compare_settings, training_settings
 
     old, _ = parse_args(old_flags)
     new, _ = parse_args(new_flags + ["--resume", "auto"])
@@ -58,7 +58,7 @@ def test_resume_refuses_what_changes_the_trained_tensors_and_offers_no_override_
     """LoRA <-> full fine-tuning and the adapters' shapes: one message, with what to do instead; never a
     --resume_override suggestion (those overrides crashed in DeepSpeed's load). Alpha and dropout may change."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     lora, model = ["--use_peft"], ["--model", "/models/base"]
     cases = [
@@ -144,7 +144,7 @@ def _meta_model(family: str = "qwen3"):
 
 def _spec(**flags):
     from ulysses_train.model.adapters import AdapterSpec
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     argv = ["--use_peft"] + [a for name, value in flags.items() for a in (f"--{name}", str(value))]
     return AdapterSpec.from_config(parse_args(argv)[0].adapters)
@@ -236,7 +236,7 @@ def test_the_first_save_estimate_of_a_lora_run_counts_what_it_saves(small_disk, 
     adapter file: at least the real size, at most twice it."""
     from ulysses_train.model.adapters import AdapterSpec, adapter_geometry
     from ulysses_train.model.build import load_model_config
-    from ulysses_train.train.disk_space import checkpoint_bytes, estimated_checkpoint_bytes
+    from ulysses_train.train.checkpoints.disk_space import checkpoint_bytes, estimated_checkpoint_bytes
 
     out = (small_disk or tmp_path) / "run"
     proc = run([sys.executable], TINY + ["--use_peft"], out)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ulysses_train.train.memory_profile import MemoryTimeline
+from ulysses_train.train.step.memory_profile import MemoryTimeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

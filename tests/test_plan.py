@@ -144,7 +144,7 @@ def _alive_bytes_per_token(model) -> float:
     the next layer's input."""
     import torch
 
-    from ulysses_train.train.memory_profile import MemoryTimeline
+    from ulysses_train.train.step.memory_profile import MemoryTimeline
 
     decoder = model.get_decoder()
     # Gemma's rotary embedding is per layer type (the tests' Gemma layers are all full attention)
@@ -405,7 +405,7 @@ def test_the_plan_prints_a_command_to_copy_and_labels_its_breakdown(tmp_path, ca
     import shlex
 
     from ulysses_train.tools.plan import LABELS
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     qwen2_28_heads_config().save_pretrained(tmp_path)  # a model folder: its config only is read
     assert main(["--model", str(tmp_path), "--seq_len", "65536", "--gpus", "8", "--sp_size", "8"]) == 0

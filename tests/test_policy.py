@@ -12,10 +12,10 @@ from ulysses_train.model.build import load_model_config
 from ulysses_train.model.geometry import geometry
 from ulysses_train.sp.dims import valid_sp_sizes
 from ulysses_train.tools import plan
-from ulysses_train.train.config import parse_args
-from ulysses_train.train.ds_config import resolve_ds_config
-from ulysses_train.train.ds_file import load_ds_config
-from ulysses_train.train.trainer import run_levers
+from ulysses_train.train.config.train_config import parse_args
+from ulysses_train.train.config.ds_config import resolve_ds_config
+from ulysses_train.train.config.ds_file import load_ds_config
+from ulysses_train.train.run.trainer import run_levers
 
 GPU_GIB, HOST_GIB = 139.7, 125.0
 
@@ -138,7 +138,7 @@ def test_attn_recompute_auto_keeps_the_outputs_where_the_whole_plan_leaves_room(
     assert lora.keep_attention and "over 21.0 GiB" in lora.why["keep_attention"]
     assert "under 80% of the device: kept" in lora.why["keep_attention"]
     cfg, _ = parse_args(argv + ["--use_peft"])
-    from ulysses_train.train.trainer import run_geometry
+    from ulysses_train.train.run.trainer import run_geometry
 
     g = run_geometry(cfg, load_model_config(None, "qwen3-8b"))
     gpu, host = GPU_GIB * 2**30, HOST_GIB * 2**30
@@ -174,7 +174,7 @@ def test_tiled_mlp_auto_leaves_the_mlp_whole_where_the_whole_plan_leaves_room():
     assert lora.keep_attention and not lora.tiled_mlp
     assert "(over 2 GiB)" in lora.why["tiled_mlp"] and "under 85% of the device: whole" in lora.why["tiled_mlp"]
     cfg, _ = parse_args(argv)
-    from ulysses_train.train.trainer import run_geometry
+    from ulysses_train.train.run.trainer import run_geometry
 
     g = run_geometry(cfg, load_model_config(None, "qwen3-8b"))
     gpu, host = GPU_GIB * 2**30, HOST_GIB * 2**30

@@ -235,7 +235,7 @@ def test_max_length_and_truncation(files):
 
 
 def test_flags_are_checked_before_anything_runs():
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     cases = [(["--beta", "0.2"], r"--beta applies to preference training: give --method dpo, simpo or orpo"),
              (["--method", "dpo"], r"--method dpo trains on preference pairs: give --dataset"),
@@ -256,8 +256,8 @@ def test_method_and_packing_follow_from_the_data_unless_given(files):
     """A dataset of chosen/rejected columns trains DPO without --method (the line for the log says so), with TRL's
     --max_length and --max_prompt_length, and packed; a flag that says otherwise wins: --method, an SFT format flag,
     --packing false; SFT data stays SFT. TRL's truncation_mode reads as --truncation."""
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.preference import resolve_preference
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.preference.pairs import resolve_preference
 
     pairs = write_jsonl(files["folder"] / "resolve_pairs.jsonl", _string_rows())
     implicit = write_jsonl(files["folder"] / "resolve_implicit.jsonl", _message_rows(implicit=True))
@@ -293,9 +293,9 @@ def test_ref_model_is_checked_before_the_model_is_built(tmp_path):
     from transformers import AutoConfig
 
     from tests.models import TINY
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.preflight import preflight
-    from ulysses_train.train.reference import check_reference_config
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.run.preflight import preflight
+    from ulysses_train.train.preference.reference_logps import check_reference_config
 
     cfg, _ = parse_args(["--method", "dpo", "--dataset", str(tmp_path), "--ref_model", str(tmp_path / "none")])
     with pytest.raises(ConfigError, match=rf"--ref_model {tmp_path / 'none'}: no such file or folder"):
@@ -389,7 +389,7 @@ def dpo_trainer(files, tmp_path_factory):
 
 def test_dpo_loss_gradients_and_metrics_equal_trls_dpo_trainer(pair_batch, dpo_trainer):
     from ulysses_train.levers.preference_loss import STATS, PreferenceSpec
-    from ulysses_train.train.preference import unpack_pairs
+    from ulysses_train.train.preference.pairs import unpack_pairs
 
     pairs = unpack_pairs(pair_batch)
     seqs = [p["prompt_chosen"] for p in pairs] + [p["prompt_rejected"] for p in pairs]
@@ -441,7 +441,7 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_trainers(pair_batch):
     from trl.experimental.orpo import ORPOTrainer
 
     from ulysses_train.levers.preference_loss import ORPO_STATS, PAIR_STATS as STATS, PreferenceSpec
-    from ulysses_train.train.preference import unpack_pairs
+    from ulysses_train.train.preference.pairs import unpack_pairs
 
     model = _model()
     batch = _trl_rows(unpack_pairs(pair_batch))
@@ -463,7 +463,7 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_trainers(pair_batch):
     odds_ratio_term = (loss_ours - stats["nll_loss"], None, stats)
     _assert_same(odds_ratio_term, (loss.item() - metrics["nll_loss"], None, metrics),
                  [k for k in STATS + ORPO_STATS if k != "nll_loss"])
-    from ulysses_train.train.preference_verify import side_logp
+    from ulysses_train.train.verify.pairs import side_logp
 
     with torch.no_grad():  # our NLL: the chosen completions' tokens, plain transformers on each whole sequence
         chosen = sum(side_logp(model, p["prompt_chosen"], p["chosen_mask"], torch.float64)

@@ -48,10 +48,10 @@ def files(tmp_path_factory):
 
 def _run(rank, world, runs, tmp):
     """Each (name, argv) in turn: training returns its metrics, --verify its result; with the reference log-probs."""
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.loop import train
-    from ulysses_train.train.trainer import Trainer
-    from ulysses_train.train.verify import run_verify
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.step.loop import train
+    from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.verify.verify import run_verify
 
     out = {}
     for name, argv in runs:
@@ -136,11 +136,11 @@ def _reference_runs(rank, world, runs, tmp):
     """Each (name, argv) in turn: (metrics or --verify's result, reference log-probs, the policy's weights digest
     right after the trainer is built: after any --ref_model swap and its undoing), or the ConfigError's message."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.loop import train
-    from ulysses_train.train.reference import reference_parameters, weights_digest
-    from ulysses_train.train.trainer import Trainer
-    from ulysses_train.train.verify import run_verify
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.step.loop import train
+    from ulysses_train.train.preference.reference_logps import reference_parameters, weights_digest
+    from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.verify.verify import run_verify
 
     out = {}
     for name, argv in runs:
@@ -227,7 +227,7 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
 ])
 def test_ref_model_settings_refused(files, extra, message):
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     argv = ["--dataset", files["pairs"], "--ref_model", "some/model", "--method", "dpo"] + extra
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -239,7 +239,7 @@ def test_ref_model_refuses_partitionings_it_cannot_put_back(zero):
     """ZeRO++'s secondary partitions and NVMe-swapped parameters hold copies of a weight that the swap would leave
     on the reference's values: refused before any weight moves."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.reference import _check_restorable
+    from ulysses_train.train.preference.reference_logps import _check_restorable
 
     _check_restorable({"stage": 3, "offload_param": {"device": "cpu"}}, "B")
     with pytest.raises(ConfigError, match="leave those out of --ds_config"):
@@ -250,9 +250,9 @@ def _default_runs(rank, world, runs, tmp):
     """Each (name, argv) in turn: (metrics records, the method and packing the run resolved, metrics.jsonl's
     records), or the ConfigError's message."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config import parse_args
-    from ulysses_train.train.loop import train
-    from ulysses_train.train.trainer import Trainer
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.step.loop import train
+    from ulysses_train.train.run.trainer import Trainer
 
     out = {}
     for name, argv in runs:

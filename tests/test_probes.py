@@ -51,7 +51,7 @@ def digest(path: str) -> str:
 
 def settle(argv: list[str]):
     """What the command line does with `argv` before any process group: its message if it refuses them."""
-    from ulysses_train.train.config import parse_args
+    from ulysses_train.train.config.train_config import parse_args
 
     try:
         cfg, _ = parse_args(argv)
@@ -97,7 +97,7 @@ def load_rows(folder: str, fmt: str, rows: list):
     file: (its path, the log, the loaded source or the refusal's message)."""
     from ulysses_train.data.load import _Loader
     from ulysses_train.data.mixture import dataset_entries
-    from ulysses_train.train.config import TrainConfig
+    from ulysses_train.train.config.train_config import TrainConfig
 
     path = os.path.join(folder, f"{fmt}.jsonl")
     write_jsonl(path, rows)
@@ -154,7 +154,7 @@ def test_text_rows_train_the_tokens_the_log_says(rows):
 
 
 def model_checks(path: str):
-    """What the trainer does with --model_config before building anything (train/trainer.py's order): load and check
+    """What the trainer does with --model_config before building anything (train/run/trainer.py's order): load and check
     it, set the rotary positions, check the heads against one process, count its geometry, check every layer is
     supported. Its message if it refuses."""
     from ulysses_train.levers.rope import configure_rope

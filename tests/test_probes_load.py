@@ -3,7 +3,7 @@ a disk that is full at every save. Whatever happens, no complete checkpoint is l
 another one's lock exits 2 naming it (its pid and host), and the run that comes last resumes from the newest
 intact checkpoint.
 
-Runs are launch/train.py on the tiny model on CPU (one process each); ULYSSES_TRAIN_FAULT (train/faults.py) holds
+Runs are launch/train.py on the tiny model on CPU (one process each); ULYSSES_TRAIN_FAULT (train/process/faults.py) holds
 one in the middle of a save, or fails a save as a full disk does, so that what is probed does not depend on timing.
 """
 
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.trainer_runs import ROOT, TRAIN, child_env, listing_names
-from ulysses_train.train import manifest
+from ulysses_train.train.checkpoints import manifest
 
 HANG_GUARD_S = 600  # a hang detector, not a speed requirement
 RUN = ["--seq_len", "64", "--tokenizer", "bytes", "--save_steps", "1", "--steps", "4"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ulysses_train.train.metrics import MetricsLogger, progress_mode
+from ulysses_train.train.step.metrics import MetricsLogger, progress_mode
 
 RECORD = {"step": 1, "loss": 2.5, "grad_norm": 1.0, "num_tokens": 900, "num_positions": 1024, "conversations": 3,
           "tokens_per_s": 2048.0, "trained_tokens_per_s": 1800.0, "step_time_s": 0.5, "peak_mem_gib": 1.0,

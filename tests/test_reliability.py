@@ -43,7 +43,7 @@ def finish(procs) -> list[tuple[int, str]]:
 def test_one_run_per_output_folder(tmp_path):
     """A live run's lock stops a second run before any work, naming the holder; a lock left by a process that
     died is taken over with a warning."""
-    from ulysses_train.train.run_lock import RunLock
+    from ulysses_train.train.checkpoints.run_lock import RunLock
 
     out = tmp_path / "run"
     holder = RunLock(str(out))
@@ -120,7 +120,7 @@ def test_a_second_ctrl_c_during_the_first_ones_message_stops_at_once(monkeypatch
     Ctrl-C's handler wrote its message before setting the flag: a second Ctrl-C right after the message (a user's
     double press; the test above under load) ran as another first one, and the run held on in its save. The flag
     is now set before the message, so the nested second one stops at once."""
-    from ulysses_train.train.faults import Interrupted, StopFlag
+    from ulysses_train.train.process.faults import Interrupted, StopFlag
 
     stop = StopFlag()
     try:
@@ -146,7 +146,7 @@ def test_a_ctrl_c_after_the_watchdog_saw_the_launcher_go_is_the_first_one(monkey
     """Under DeepSpeed's launcher a Ctrl-C also ends the `deepspeed` command; a rank whose watchdog saw it gone
     before the rank ran its SIGINT handler took that Ctrl-C for a second one: `stopped: SIGINT (nothing to save)`,
     exit 130, the finished step lost. A second Ctrl-C is now a second SIGINT."""
-    from ulysses_train.train.faults import Interrupted, StopFlag
+    from ulysses_train.train.process.faults import Interrupted, StopFlag
 
     stop = StopFlag()
     try:
@@ -223,7 +223,7 @@ def test_killing_the_deepspeed_command_stops_and_saves(tmp_path):
 def _agree_on_one_ranks_stop(rank, world):
     import torch
 
-    from ulysses_train.train.faults import StopFlag
+    from ulysses_train.train.process.faults import StopFlag
 
     stop = StopFlag()
     try:

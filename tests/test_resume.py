@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, metrics
-from ulysses_train.train.schedule import warmup_cosine
+from ulysses_train.train.step.schedule import warmup_cosine
 
 BASE = ["--seq_len", "256", "--lr", "3e-3"]
 HANG_GUARD_S = 600

@@ -4,8 +4,8 @@ transformers' own after the warmup, and a resumed run put on the schedule of its
 import pytest
 import torch
 
-from ulysses_train.train import resume
-from ulysses_train.train.schedule import lr_factor, warmup_steps
+from ulysses_train.train.checkpoints import resume
+from ulysses_train.train.step.schedule import lr_factor, warmup_steps
 
 
 def _transformers_lrs(name: str, total: int, warmup: int) -> list[float]:
@@ -59,7 +59,7 @@ def test_a_resumed_run_follows_the_schedule_of_its_new_flags():
 
 
 def test_resumed_adamw_settings_are_this_runs():
-    from ulysses_train.train.config import OptimConfig, TrainConfig
+    from ulysses_train.train.config.train_config import OptimConfig, TrainConfig
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), eps=1e-8)
     resume.apply_optimizer_settings(optimizer, TrainConfig(optim=OptimConfig(

@@ -400,7 +400,7 @@ def test_rows_without_columns_name_the_flag(tmp_path):
     (a traceback, exit 3)."""
     from ulysses_train.data.load import _Loader
     from ulysses_train.data.mixture import dataset_entries
-    from ulysses_train.train.config import TrainConfig
+    from ulysses_train.train.config.train_config import TrainConfig
 
     path = write_jsonl(tmp_path / "empty_rows.jsonl", [{}, {}])
     settings = TrainConfig.from_flags({"tokenizer": "bytes", "data_cache_dir": str(tmp_path / "c")}).data_settings()
@@ -413,7 +413,7 @@ def test_empty_dataset_files_name_the_flag(tmp_path):
     """A 0-byte .jsonl failed with a bare StopIteration inside datasets (exit 3), for --dataset and --eval_dataset."""
     from ulysses_train.data.load import _Loader
     from ulysses_train.data.mixture import dataset_entries
-    from ulysses_train.train.config import TrainConfig
+    from ulysses_train.train.config.train_config import TrainConfig
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

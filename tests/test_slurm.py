@@ -18,7 +18,7 @@ HANG_GUARD_S = 600
 
 
 def _port():
-    from ulysses_train.train.launcher import free_port
+    from ulysses_train.train.process.launcher import free_port
 
     return free_port()
 

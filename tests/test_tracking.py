@@ -16,8 +16,8 @@ import yaml
 from tests.trainer_runs import ROOT, TRAIN, child_env, metrics
 from tests.wandb_files import wandb_records
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config import parse_args
-from ulysses_train.train.flag_checks import parse_report_to
+from ulysses_train.train.config.train_config import parse_args
+from ulysses_train.train.config.flag_checks import parse_report_to
 
 pytest.importorskip("wandb", reason="the [track] extra: pip install -e '.[track]'")
 pytest.importorskip("mlflow", reason="the [track] extra: pip install -e '.[track]'")
@@ -115,7 +115,7 @@ def test_a_tracker_added_on_resume_gets_every_step_it_has_not_seen(tmp_path, mon
     """Only a continued run is spared the steps it holds: MLflow, first named on the resume, starts a run of its
     own and gets the retrained step 3 (the stopped run logged 1-3, its checkpoint is step 2), which TensorBoard,
     continued, shows with its new value."""
-    from ulysses_train.train.tracking import Trackers
+    from ulysses_train.train.step.tracking import Trackers
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     before = Trackers(["tensorboard"], str(tmp_path), {"lr": 1}, resuming=False)
@@ -162,8 +162,8 @@ def test_a_tracker_that_cannot_start_is_named_before_the_model_is_built(tmp_path
     output folder's lock (an exit 2 left it filled, and the next run warned it took over from a run that died)."""
     import socket
 
-    from ulysses_train.train import tracking
-    from ulysses_train.train.config import TrainConfig
+    from ulysses_train.train.step import tracking
+    from ulysses_train.train.config.train_config import TrainConfig
 
     uri = _refused_uri()
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

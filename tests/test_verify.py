@@ -51,7 +51,7 @@ def _faulty(rank, world, tmp, faults):
     import transformers.modeling_utils as modeling_utils
 
     import ulysses_train.model.build as models
-    from ulysses_train.train import trainer
+    from ulysses_train.train.run import trainer
     from ulysses_train.model.buffers import BufferReport
 
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext  # as transformers 5.17 builds under ZeRO-3
@@ -104,7 +104,7 @@ def test_the_grad_norm_is_held_to_its_rounding_noise_and_a_wrong_scale_still_fai
     the same gradient 2e-3 too large fails on the norm, which no other statistic sees."""
     import torch
 
-    from ulysses_train.train.verify import LABELS, STATS, limits, relative_errors
+    from ulysses_train.train.verify.verify import LABELS, STATS, limits, relative_errors
 
     gen = torch.Generator().manual_seed(0)
     ref = {f"layer{i}.lora_{ab}": torch.randn(16, 64, generator=gen).double() for i in range(32) for ab in "AB"}
@@ -145,8 +145,8 @@ def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ulysses_train.sp.sharding import shift_labels
-    from ulysses_train.train.verify import relative_errors
-    from ulysses_train.train.verify_reference import reference_step
+    from ulysses_train.train.verify.verify import relative_errors
+    from ulysses_train.train.verify.reference_model import reference_step
 
     config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -177,7 +177,7 @@ def test_a_verify_step_without_a_target_is_a_setting_to_change():
 
     from ulysses_train.data.sources import build_batch
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.verify import require_targets
+    from ulysses_train.train.verify.verify import require_targets
 
     untrained = build_batch([(torch.arange(8), 8, None, torch.full((8,), -100))], packing=False)
     with pytest.raises(ConfigError, match=r"--verify: the first step's 2 sequence\(s\) have no target .* --loss_on "
@@ -198,7 +198,7 @@ def test_the_reference_runs_transformers_torch_delta_rule_where_fla_cannot_run(f
     from transformers import AutoModelForCausalLM
 
     from tests.models import any_tiny_config
-    from ulysses_train.train.verify_reference import reference_model
+    from ulysses_train.train.verify.reference_model import reference_model
 
     config = any_tiny_config(family)
     torch.manual_seed(0)

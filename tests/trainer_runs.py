@@ -59,7 +59,7 @@ def torchrun_launcher(n):
 
 
 def launch_port():
-    from ulysses_train.train.launcher import free_port
+    from ulysses_train.train.process.launcher import free_port
 
     return free_port()
 
@@ -76,7 +76,7 @@ def metrics(out_dir) -> list[dict]:
 
 def checkpoint_weights(checkpoint):
     """The consolidated fp32 weights of a checkpoint folder (the export path)."""
-    from ulysses_train.train.checkpoint import safe_loading
+    from ulysses_train.train.checkpoints.checkpoint import safe_loading
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with safe_loading():

@@ -43,7 +43,7 @@ ESTIMATE_MEASURED = ("qwen3", "qwen3_moe", "qwen3_5_text", "llama")
 
 @dataclass(frozen=True)
 class LeverRequest:
-    """The lever flags as typed (see train/config.py for their help)."""
+    """The lever flags as typed (see train/config/train_config.py for their help)."""
 
     loss: str = "fused"
     gradient_checkpointing: bool = True
@@ -59,7 +59,7 @@ class LeverRequest:
 
     @classmethod
     def from_config(cls, levers, adapter_dropout: float = 0.0) -> "LeverRequest":
-        """The request of the run's levers group (train/config.py LeverConfig) and its adapters' dropout."""
+        """The request of the run's levers group (train/config/train_config.py LeverConfig) and its adapters' dropout."""
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(levers.lean_norm, levers.lean_norm)
         return cls(levers.loss, levers.gradient_checkpointing, levers.attn_recompute, levers.offload_activations,
                    levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights, levers.loss_kernel,

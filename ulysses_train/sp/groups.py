@@ -99,7 +99,7 @@ class SequenceParallelGroups:
 
     def own_groups(self) -> list:
         """This rank's groups, each once (the Ulysses group may be the SP group), for a process whose default group
-        outlives the run to destroy them (train/teardown.py); none that is gone already."""
+        outlives the run to destroy them (train/process/teardown.py); none that is gone already."""
         groups = []
         for name in ("_sp_group", "_ulysses_group", "_ring_group", "_dp_group", "_world_group",
                      "_model_parallel_group"):

@@ -122,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(a: argparse.Namespace) -> None:
     """The numbers, and the model, tokenizer and dataset paths: ConfigErrors naming the flag."""
-    from ..train.preflight import check_chat_template, check_dataset, check_model, check_tokenizer
+    from ..train.run.preflight import check_chat_template, check_dataset, check_model, check_tokenizer
 
     if a.seq_len < 2:
         raise ConfigError(f"--seq_len must be at least 2 (a loss needs a token and its successor), got {a.seq_len}")
@@ -216,7 +216,7 @@ def evaluate(a: argparse.Namespace, samples) -> None:
     from ..sp.attention import ATTN_NAME, register_ulysses_attention
     from ..sp.groups import SequenceParallelGroups
     from ..sp.sharding import IGNORE_INDEX
-    from ..train.launcher import exit_now, normalise_launcher_env
+    from ..train.process.launcher import exit_now, normalise_launcher_env
 
     normalise_launcher_env()
     cuda = torch.cuda.is_available()

@@ -20,8 +20,8 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from ..train.checkpoint import CheckpointError
-from ..train.export_model import export
+from ..train.checkpoints.checkpoint import CheckpointError
+from ..train.checkpoints.export_model import export
 
 
 def main(argv=None) -> int:

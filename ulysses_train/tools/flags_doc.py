@@ -1,6 +1,6 @@
 """`python -m ulysses_train.tools.flags_doc`: writes docs/flags.md, the reference of every flag of launch/train.py,
-from the trainer's own parser (`build_parser()` in train/config.py) and the field's names (train/aliases.py), and
-docs/field-keys.md, what each key of a TRL or axolotl config means here (train/field_keys.py).
+from the trainer's own parser (`build_parser()` in train/config/train_config.py) and the field's names (train/config/aliases.py), and
+docs/field-keys.md, what each key of a TRL or axolotl config means here (train/config/field_keys.py).
 
 The page has one section per argument group of the parser, in the parser's order, and in it one row per flag: its
 canonical name, the other names that reach it, what it takes (a type or the choices), its default and its help. The
@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from ..train import aliases, field_keys
+from ..train.config import aliases, field_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "flags.md")
@@ -102,7 +102,7 @@ def _group_sections(parser: argparse.ArgumentParser) -> list[str]:
 def _alias_sections() -> list[str]:
     lines = ["", "## The field's names", "",
              "Names of transformers' `TrainingArguments`, TRL's `SFTConfig` and axolotl's keys, accepted as flags and "
-             "as YAML keys beside ours (`train/aliases.py`). Each setting has one canonical name, ours, which "
+             "as YAML keys beside ours (`train/config/aliases.py`). Each setting has one canonical name, ours, which "
              "`--help`, `config.yaml` and the checkpoints use.", "",
              "| name | origin | ours | values |", "|---|---|---|---|"]
     for alias in aliases.ALIASES:
@@ -116,7 +116,7 @@ def _alias_sections() -> list[str]:
 def render_field_keys() -> str:
     """docs/field-keys.md: every key of the field's configs that this trainer reads, and what it means here."""
     lines = ["# TRL and axolotl keys", "",
-             f"Generated from `ulysses_train/train/field_keys.py` by `{COMMAND}`; do not edit by hand. A YAML file "
+             f"Generated from `ulysses_train/train/config/field_keys.py` by `{COMMAND}`; do not edit by hand. A YAML file "
              "(`--config`) or a dict given to `train()` may hold the keys of TRL's `SFTConfig` and `DPOConfig` "
              "(transformers' `TrainingArguments` with them, and the `ModelConfig` and `ScriptArguments` of TRL's "
              "scripts) and of axolotl's configs. Each is read with its meaning here: the flags of the same name and "
@@ -138,7 +138,7 @@ def render_field_keys() -> str:
 def render(parser: argparse.ArgumentParser | None = None) -> str:
     """The page, for `parser` (default: the trainer's)."""
     if parser is None:
-        from ..train.config import build_parser
+        from ..train.config.train_config import build_parser
 
         parser = build_parser()
     head = ["# Flags", "",

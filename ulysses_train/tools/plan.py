@@ -28,9 +28,9 @@ from ..levers.memory import CUDA_OVERHEAD, estimate, fits, fits_on
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.geometry import geometry
 from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
-from ..train.config import ring_size_number
-from ..train.ds_config import lever_choices
-from ..train.ds_file import load_ds_config
+from ..train.config.train_config import ring_size_number
+from ..train.config.ds_config import lever_choices
+from ..train.config.ds_file import load_ds_config
 from .plan_command import launch_command, main as plan_command_main
 
 # cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices)

@@ -1,7 +1,7 @@
 """The planner on a command: `python -m ulysses_train.plan [--gpus N ...] -- <flags of launch/train.py>`.
 
-The flags go through the trainer's own parser (train/config.py), DeepSpeed config reconciliation
-(train/ds_config.py) and lever resolution (train/trainer.py: run_levers, the policy of levers/policy.py), for the
+The flags go through the trainer's own parser (train/config/train_config.py), DeepSpeed config reconciliation
+(train/config/ds_config.py) and lever resolution (train/run/trainer.py: run_levers, the policy of levers/policy.py), for the
 planned machine, so the plan is of the run those flags start. It prints that run's memory (tools/plan.py) and step
 time (tools/time_model.py). With `--fastest` it searches, on the same GPUs (and nodes, 8 GPUs a node), the SP size,
 the levers (kept attention, the offload, the tiled MLP, the optimizer on the GPU or the CPU), how many layers to
@@ -47,7 +47,7 @@ class Machine:
 class Command:
     """A run's flags as the trainer resolves them on a planned machine."""
 
-    cfg: object  # train/config.py TrainConfig
+    cfg: object  # train/config/train_config.py TrainConfig
     g: dict
     sp: int
     levers: Levers
@@ -84,11 +84,11 @@ def _kernel(name: str, config) -> str:
 
 def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
-    from ..train.config import parse_args
-    from ..train.ds_config import lever_choices, resolve_ds_config
-    from ..train.ds_file import load_ds_config
-    from ..train.preference import resolve_preference
-    from ..train.trainer import run_geometry, run_levers
+    from ..train.config.train_config import parse_args
+    from ..train.config.ds_config import lever_choices, resolve_ds_config
+    from ..train.config.ds_file import load_ds_config
+    from ..train.preference.pairs import resolve_preference
+    from ..train.run.trainer import run_geometry, run_levers
 
     import torch
 
@@ -231,7 +231,7 @@ def longest(train_argv: list[str], machine: Machine, constants: Constants, any_p
     take sides of half the row unless the command sets --max_length. Whether a run fits only gets harder with the
     length: double, then bisect (as tools/plan.py: longest_fit), from the shortest row that holds a pair's two sides
     of --max_length where the command sets it."""
-    from ..train.config import parse_args
+    from ..train.config.train_config import parse_args
 
     def fits_at(n: int) -> bool:
         c = command(train_argv + ["--seq_len", str(n * step)], machine)
@@ -262,7 +262,7 @@ def launch_command(gpus: int, train_flags: list[str]) -> str:
 def main(plan_args, train_argv: list[str]) -> int:
     """`plan [--longest] [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit;
     with --longest, at the longest --seq_len that fits."""
-    from ..train.config import parse_args
+    from ..train.config.train_config import parse_args
 
     constants = Constants.load(plan_args.constants)
     machine = Machine(plan_args.gpus, plan_args.gpu_mem_gib * GiB, plan_args.host_mem_gib * GiB,

@@ -153,9 +153,9 @@ def preview(cfg, num_samples: int, color: bool, write=print) -> None:
     from ..data.sources import Row, SyntheticSource, build_batch, sample_order
     from ..model.build import attention_heads, load_model_config
     from ..sp import dims
-    from ..train.config import ring_size_number
-    from ..train.preflight import preflight
-    from ..train.trainer import verify_seq_len
+    from ..train.config.train_config import ring_size_number
+    from ..train.run.preflight import preflight
+    from ..train.run.trainer import verify_seq_len
 
     cfg.validate()
     preflight(cfg)
@@ -189,7 +189,7 @@ def preview(cfg, num_samples: int, color: bool, write=print) -> None:
 
 
 def main(argv=None) -> int:
-    from ..train.config import parse_args
+    from ..train.config.train_config import parse_args
 
     own, rest = _parser().parse_known_args(argv)
     color = own.color == "always" or (own.color == "auto" and sys.stdout.isatty())

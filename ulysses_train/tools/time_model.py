@@ -446,7 +446,7 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
 
 def forward_time(run: Run, c: Constants = Constants()) -> float:
     """Seconds of one micro-batch's forward alone on one rank, without a gradient (DPO's reference pass,
-    train/reference.py): every layer once with its ZeRO-3 gather overlapped, and the head's log-probs (2 x T x
+    train/preference/reference_logps.py): every layer once with its ZeRO-3 gather overlapped, and the head's log-probs (2 x T x
     vocabulary x hidden at our loss's rate)."""
     g = run.g
     t = run.micro * math.ceil(run.seq_len / run.sp)

@@ -6,7 +6,7 @@
     result.eval_loss, result.checkpoint, result.metrics
 
 `train` runs as one process, or as one rank under any launcher (deepspeed, torchrun, accelerate, srun: every rank
-calls it). Settings are read as the command line reads them (train/config.py): every flag and its aliases, the same
+calls it). Settings are read as the command line reads them (train/config/train_config.py): every flag and its aliases, the same
 checks. It returns a `TrainResult` and never exits the interpreter: a setting to change raises ConfigError, a
 checkpoint that cannot be written or read CheckpointError, a non-finite loss NonFiniteError, SIGTERM or Ctrl-C
 before training `Interrupted`, anything else its own exception. When it returns or raises, the run has released
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ..errors import ConfigError
-from .config import TrainConfig, config_from
+from .config.train_config import TrainConfig, config_from
 
 # the launcher variables a single process sets for itself (launcher.py), put back as they were after the run
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ULYSSES_TRAIN_LAUNCHER")
@@ -75,11 +75,11 @@ def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **
 
 
 def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
-    """The run of a parsed config (`explicit`: the settings given, not defaulted; train/ds_config.py reconciles them
+    """The run of a parsed config (`explicit`: the settings given, not defaulted; train/config/ds_config.py reconciles them
     with the DeepSpeed JSON)."""
-    from .loop import train as train_loop
-    from .resume import NothingToDo
-    from .trainer import Trainer
+    from .step.loop import train as train_loop
+    from .checkpoints.resume import NothingToDo
+    from .run.trainer import Trainer
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_libraries()
@@ -94,7 +94,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
             return dataclasses.replace(result, checkpoint=e.checkpoint, message=str(e))
         try:
             if cfg.check.verify:
-                from .verify import run_verify
+                from .verify.verify import run_verify
 
                 result.verify = run_verify(trainer)
             else:
@@ -115,7 +115,7 @@ class Trainer:
     `save_model(path)`, every rank calling each (module docstring). Settings as `train()` takes them."""
 
     def __init__(self, config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **overrides):
-        from .trainer import Trainer as Run
+        from .run.trainer import Trainer as Run
 
         cfg, explicit = config_from(config, overrides)
         quiet_libraries()
@@ -132,7 +132,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Trains from the last finished step to --steps (saving as the flags say) and returns what it did."""
-        from .loop import train as train_loop
+        from .step.loop import train as train_loop
 
         run = self._live()
         result = TrainResult(self.config, history=train_loop(run))
@@ -146,7 +146,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """The eval set's loss at the current weights ({"eval_loss", "eval_tokens", "eval_samples", ...}), under SP
         as during training: --eval_dataset, or the share of --dataset that --val_set_size holds out."""
-        from .loop import evaluate
+        from .step.loop import evaluate
 
         run = self._live()
         if run.eval_source is None:
@@ -160,8 +160,8 @@ class Trainer:
         ulysses_train.export` does. `path` must not hold files yet."""
         import torch.distributed as dist
 
-        from .checkpoint import checkpoint_step
-        from .export_model import export
+        from .checkpoints.checkpoint import checkpoint_step
+        from .checkpoints.export_model import export
 
         run, path = self._live(), os.fspath(path)
         if run.checkpoint is None or checkpoint_step(run.checkpoint) != self.step:
@@ -225,7 +225,7 @@ def launcher_environment():
     """The torch.distributed variables of whichever launcher started this process (launcher.py); those that a
     single process sets for itself (rank 0 of 1, a free port) are put back afterwards, so the next run picks its own
     port."""
-    from .launcher import normalise_launcher_env
+    from .process.launcher import normalise_launcher_env
 
     before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
     normalise_launcher_env()

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ConfigError
 from .api import quiet_libraries, run
-from .config import parse_args
-from .faults import Interrupted, NonFiniteError, StopFlag
-from .launcher import exit_now, normalise_launcher_env
-from .report import report_once
+from .config.train_config import parse_args
+from .process.faults import Interrupted, NonFiniteError, StopFlag
+from .process.launcher import exit_now, normalise_launcher_env
+from .process.report import report_once
 
 # what a collective raises when another rank died or left first: the other rank's own message says why
 PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
