@@ -55,7 +55,38 @@ def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     return docs
 
 
-FITTED = {"qwen3", "qwen3_moe", "qwen3_5_text"}  # the families the constants are fitted on; the others' rows are shown apart
+# the families the constants are fitted on; the others' rows are shown apart
+FITTED = {"qwen3", "qwen3_moe", "qwen3_5_text", "gemma3_text", "olmo3"}
+# the summary of the windowed families' steps with the current kernels (no full step_bench result kept)
+SUMMARY = os.path.join(ROOT, "docs", "results", "windowed_current.json")
+# the machine the summary's rows ran on, as the planner takes it (tools/plan_command.py)
+SUMMARY_GPU_GIB, SUMMARY_HOST_GIB = 139.7, 125.0
+
+
+def earlier_kernels(r: dict) -> bool:
+    """A result measured before our fused kernels covered its model's layers: fused kernels on, yet none of its
+    RMSNorms and none of its gated MLPs replaced (the trainer's surgery counts). The model times them fused, so
+    these rows describe an earlier trainer and are shown apart (Gemma 3's first rows, eager `1 + weight` norms
+    and GeGLU; docs/results/windowed_current.json has its rows with the kernels)."""
+    surgery = r.get("surgery", {})
+    unfused = [surgery[k][0] == 0 < surgery[k][1] for k in ("RMSNorm", "SwiGLU") if k in surgery]
+    return bool(r.get("levers", {}).get("fused_kernels")) and len(unfused) == 2 and all(unfused)
+
+
+def summary_rows(constants: Constants):
+    """(label, summary row, measured seconds, measured GiB, the planner's Plan) for each row of SUMMARY: the
+    planner's own resolution of the row's flags on its machine (`python -m ulysses_train.plan -- <flags>`)."""
+    from ulysses_train.levers.policy import GiB
+    from ulysses_train.tools.plan_command import Machine, command, evaluate
+
+    summary = json.load(open(SUMMARY))
+    machine = Machine(summary["gpus"], SUMMARY_GPU_GIB * GiB, SUMMARY_HOST_GIB * GiB, constants.gpus_per_node)
+    for row in summary["rows"]:
+        argv = ["--model_config", row["model_config"], *summary["flags"], "--seq_len", str(row["seq_len"]),
+                "--steps", str(row["steps"])]
+        c = command(argv, machine)
+        yield row["label"], dict(row, layers=c.g["layers"]), row["median_step_s"], row["peak_gpu_gib"], \
+            evaluate(c, machine, constants)
 
 
 def config_of(r: dict):
@@ -130,21 +161,31 @@ def main() -> None:
     constants = Constants.load(a.constants)
     print("| run | step | tokens | sp | layers | kernel | measured s | predicted s | error | attention | matmul | "
           "other |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
-    errors, unfitted = [], []
+    errors, unfitted, earlier_rows = [], [], []
     with tempfile.TemporaryDirectory(prefix="sftd_") as tmp:
         for name, r, label, measured, predicted in rows(constants, a.sft_data or tmp):
             total, parts = predicted["total"], predicted["parts"]
             error = total / measured - 1
-            fitted = config_of(r).model_type in FITTED
-            (errors if fitted else unfitted).append(error)
+            earlier = earlier_kernels(r)
+            fitted = config_of(r).model_type in FITTED and not earlier
+            (errors if fitted else earlier_rows if earlier else unfitted).append(error)
+            note = " (earlier kernels)" if earlier else "" if fitted else " (not fitted)"
             other = total - parts["attention"] - parts["matmul"]
             print(f"| {name} | {label} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | "
-                  f"{r.get('attn_kernel') or 'sdpa'} | {measured:.2f} | {total:.2f} | {100 * error:+.1f}%"
-                  f"{'' if fitted else ' (not fitted)'} | {parts['attention']:.2f} | {parts['matmul']:.2f} | "
-                  f"{other:.2f} |", flush=True)
+                  f"{r.get('attn_kernel') or 'sdpa'} | {measured:.2f} | {total:.2f} | {100 * error:+.1f}%{note} | "
+                  f"{parts['attention']:.2f} | {parts['matmul']:.2f} | {other:.2f} |", flush=True)
+    for label, row, measured, _, plan in summary_rows(constants):
+        total, parts = plan.time["total"], plan.time["parts"]
+        errors.append(total / measured - 1)
+        other = total - parts["attention"] - parts["matmul"]
+        print(f"| {label} (summary) | median | {row['seq_len']:,} | 1 | {row['layers']} | flash_attn_4 | "
+              f"{measured:.2f} | {total:.2f} | {100 * errors[-1]:+.1f}% | {parts['attention']:.2f} | "
+              f"{parts['matmul']:.2f} | {other:.2f} |", flush=True)
     worst = max(map(abs, errors))
     print(f"\n{len(errors)} steps of the fitted families, largest error {100 * worst:.1f}%, mean "
-          f"{100 * sum(map(abs, errors)) / len(errors):.1f}%; {len(unfitted)} steps of other families")
+          f"{100 * sum(map(abs, errors)) / len(errors):.1f}%; {len(earlier_rows)} steps of earlier kernels; "
+          f"{len(unfitted)} steps of other families")
+
 
 
 if __name__ == "__main__":

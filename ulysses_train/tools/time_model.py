@@ -5,8 +5,9 @@ Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks
 
     forward     linear layers 2 T x params at the matmul rate; attention 4 x (query-key pairs) x heads x head_dim / sp
                 at the kernel's forward rate, the pairs per document: doc^2 / 2 for full causal attention, for a
-                sliding window w the exact sum of min(t + 1, w) over positions t, for chunked attention doc^2 / 2 per
-                chunk; a Gated DeltaNet layer's recurrence linear in T (a rough count, at a guessed rate); norms,
+                sliding window w the exact sum of min(t + 1, w) over positions t (FA4: the pairs of its whole tiles,
+                at its window share of the rate), for chunked attention doc^2 / 2 per chunk; heads wider than 128
+                at the kernel's wide-head share; a Gated DeltaNet layer's recurrence linear in T (a rough count, at a guessed rate); norms,
                 rotary and SwiGLU per token and width (fused or eager rates); residual adds at HBM bandwidth; the
                 Ulysses all-to-all of q, k, v and the output (sp > 1)
     recompute   a checkpointed layer runs its forward again before its backward, without the attention kernel when
@@ -49,10 +50,14 @@ KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
 @dataclass(frozen=True)
 class AttentionRates:
     """A causal attention kernel's rates, TFLOP/s, counting 2 x tokens^2 x heads x head_dim per forward (the causal
-    half of the score and value products) and 2.5 times that per backward."""
+    half of the score and value products) and 2.5 times that per backward; and what the same kernel reaches, as a
+    share of those rates, on a sliding-window mask (over the query-key pairs its tiles compute, `kernel_window_pairs`)
+    and at heads wider than 128 (1.0: not measured, the causal rate)."""
 
     fwd: float
     bwd: float
+    window: float = 1.0
+    wide_heads: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -76,13 +81,30 @@ H200_EAGER = ElementwiseCosts(norm_fwd=13.3e-12, norm_bwd=29.5e-12, rotary_fwd=2
                               swiglu_fwd=2.4e-12, swiglu_bwd=4.2e-12)
 
 
+# FA4 (flash_attn.cute 4.0.0b36) on the H200 (SM90) with a sliding window: causal=True plus window_size_left
+# resolves to its `local` mask, which runs at this share of the causal rates over the pairs its tiles compute
+# (`kernel_window_pairs`). Fitted on the one windowed step at head_dim 128, OLMo-3-7B at 65,536 tokens (24 of 32
+# layers with a 4,096-key window; docs/results/windowed_current.json), every other term of that step as fitted
+# on Qwen3: 0.50 leaves it at -0.2%. A local row is short (33 key tiles a query tile there, 66 query tiles a key
+# tile in the backward, against 256-512 for a causal row at 64k) with masked tiles at both ends; the share is an
+# effective rate, not yet split by a kernel profile (benchmarks/windowed_rows.sh records one).
+FA4_WINDOW_SHARE = 0.50
+# FA4 on SM90 at head_dim 256 (Gemma 2/3): its tiles shrink to 128 x 80 forward (128 x 64 local) and 64 x 64 in a
+# single-stage backward pipeline, against 128 x 128 and 64 x 128 (two stages) at 128, the head_dim its causal rates
+# are measured at. Fitted on Gemma-3-4B's two steps (65,536 and 131,072 tokens; 5 global layers of 34, whose
+# attention grows 4x between them where the rest grows 2x), FA4_WINDOW_SHARE held: 0.67 puts them at -1.6% and
+# +0.8%.
+FA4_WIDE_HEAD_SHARE = 0.67
+
+
 def _h200_attention() -> dict:
     # FA4: the in-step profiles (659-661 forward, 595-608 backward) and benchmarks/attn_bench.py (668, 599-613).
     # cuDNN (what SDPA picks on the H200): the benchmark gives 554-602 and 518-538; in steps, fitted, 95% of the
     # middle of that (the steps at 704k and 1M tokens, and every cuDNN step at 64k-131k, ran slower than the
     # benchmark's one layer call). SDPA's FA2 backend: ~325 measured alone, not in a step.
-    return {"flash_attn_4": AttentionRates(fwd=660.0, bwd=600.0), "sdpa": AttentionRates(fwd=546.0, bwd=504.0),
-            "flash_attn": AttentionRates(fwd=325.0, bwd=325.0)}
+    return {"flash_attn_4": AttentionRates(fwd=660.0, bwd=600.0, window=FA4_WINDOW_SHARE,
+                                           wide_heads=FA4_WIDE_HEAD_SHARE),
+            "sdpa": AttentionRates(fwd=546.0, bwd=504.0), "flash_attn": AttentionRates(fwd=325.0, bwd=325.0)}
 
 
 @dataclass(frozen=True)
@@ -224,15 +246,88 @@ def causal_pairs(n: int, span: Span) -> float:
     return n * n / 2
 
 
-def _attention_flops(run: Run, span: Span, width: int) -> float:
-    """Forward FLOPs of one layer's attention on one rank: the score and value products, 2 FLOPs each per
-    query-key pair and unit of width (the layer's heads x head_dim), for its heads/sp over every sequence of the
-    batch."""
-    pairs = 0.0
+# FlashAttention-4's tiles on SM90 for a local (sliding-window) mask, from flash_attn.cute 4.0.0b36's
+# `_tile_size_fwd_sm90` and `_tile_size_bwd_sm90` (interface.py): the largest head_dim of each class ->
+# ((forward query rows, key columns), (backward query rows, key columns)). The forward packs the query heads that
+# share a KV head into its query rows (pack_gqa, on for GQA), so a forward tile spans rows / (heads / KV heads)
+# positions. Not fitted: read off the kernel.
+FA4_SM90_TILES = {64: ((192, 128), (128, 128)), 96: ((192, 128), (64, 128)), 128: ((128, 128), (64, 128)),
+                  192: ((128, 96), (64, 96)), 256: ((128, 64), (64, 64))}
+
+
+def fa4_tiles(head_dim: int) -> tuple:
+    """FA4's ((forward rows, columns), (backward rows, columns)) on SM90 at `head_dim` (the widest class past 256)."""
+    for bound in sorted(FA4_SM90_TILES):
+        if head_dim <= bound:
+            return FA4_SM90_TILES[bound]
+    return FA4_SM90_TILES[max(FA4_SM90_TILES)]
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """sum of floor((a i + b) / m) for i in 0..n-1 (a, b >= 0, m > 0), by the Euclid-like recursion."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y_max = a * n + b
+        if y_max < m:
+            break
+        n, b, m, a = y_max // m, y_max % m, a, m
+    return total
+
+
+def kernel_window_pairs(n: int, w: int, rows: int, cols: int) -> float:
+    """Query-key pairs a tiled kernel computes for one document of `n` tokens under a causal window of `w` keys
+    (positions t - w + 1 .. t), with tiles of `rows` query positions and `cols` keys: each query tile runs, for
+    every one of its rows, every key tile its rows' windows touch, from the tile holding its first row's first key
+    to the one holding its last row (cut at the document's end). Against the exact w (w + 1) / 2 + (n - w) w this
+    counts the window's ragged ends to whole tiles: about (w + rows + cols) / w of it for a long document. A window
+    at least as long as the document is full attention: n^2 / 2, as `causal_pairs`."""
+    if w >= n:
+        return n * n / 2
+    full = n // rows  # query tiles of `rows` rows: tile i ends at row (i + 1) rows - 1
+    # keys up to the end of each tile's last key tile: cols x (floor(last row / cols) + 1)
+    last = cols * (_floor_sum(full, cols, rows, rows - 1) + full)
+    # less the keys before each tile's first key tile, once its first row's window starts past key 0
+    starts = (w - 1) // rows + 1
+    if full > starts:
+        last -= cols * _floor_sum(full - starts, cols, rows, starts * rows - w + 1)
+    # the last key tile is cut at the document's end
+    end_tile = (n - 1) // cols * cols
+    touching = full - max(0, -(-(end_tile - rows + 1) // rows))
+    last -= (end_tile + cols - n) * max(0, touching)
+    pairs = last * rows
+    if n > full * rows:  # a last, partial query tile
+        first = max(0, full * rows - w + 1) // cols * cols
+        pairs += (n - full * rows) * (n - first)
+    return float(pairs)
+
+
+def _window_pairs(n: int, span: Span, run: Run, shape: LayerShape, backward: bool) -> float:
+    """Query-key pairs of one document in one pass of a layer: FA4's tile-granular count for a window (its SM90
+    tiles, `fa4_tiles`; the forward's query rows shared by the heads of a KV head), the exact count otherwise."""
+    if span.kind != "window" or run.kernel != "flash_attn_4":
+        return causal_pairs(n, span)
+    (fr, fc), (br, bc) = fa4_tiles(shape.head_dim)
+    if backward:
+        return kernel_window_pairs(n, span.size, br, bc)
+    pack = max(1, shape.heads // max(shape.kv, 1))
+    return kernel_window_pairs(n, span.size, max(1, fr // pack), fc)
+
+
+def _attention_flops(run: Run, shape: LayerShape, backward: bool = False) -> float:
+    """Forward FLOPs of one layer's attention on one rank (`backward`: over the pairs the backward's tiles cover,
+    still counted as forward FLOPs): the score and value products, 2 FLOPs each per query-key pair and unit of
+    width (the layer's heads x head_dim), for its heads/sp over every sequence of the batch."""
+    span, pairs = shape.span, 0.0
     for lengths in _documents(run):
         pieces = _chunk_pieces(lengths, span.size) if span.kind == "chunk" else lengths
-        pairs += sum(causal_pairs(n, span) for n in pieces)
-    return 4 * pairs * width / run.sp
+        pairs += sum(_window_pairs(n, span, run, shape, backward) for n in pieces)
+    return 4 * pairs * shape.attn_width / run.sp
 
 
 def _deltanet_flops(run: Run) -> float:
@@ -291,13 +386,17 @@ def _elementwise(run: Run, c: Constants, t: int, moe: bool) -> tuple[float, floa
 
 
 def _mixer_seconds(run: Run, c: Constants, shape: LayerShape) -> tuple[float, float]:
-    """(forward, backward) seconds of a layer's token mixer: its attention kernel over the layer's span, or the
-    DeltaNet recurrence; the backward 2.5 times the forward's FLOPs (measured for attention, assumed for DeltaNet)."""
+    """(forward, backward) seconds of a layer's token mixer: its attention kernel over the layer's span (a window at
+    the kernel's window share, heads past 128 at its wide-head share), or the DeltaNet recurrence; the backward 2.5
+    times the forward's FLOPs (measured for attention, assumed for DeltaNet)."""
     if not shape.span.attention:
         flops, rate = _deltanet_flops(run), c.linear_attention_tflops * 1e12
         return flops / rate, 2.5 * flops / rate
-    rates, flops = c.attention[run.kernel], _attention_flops(run, shape.span, shape.attn_width)
-    return flops / (rates.fwd * 1e12), 2.5 * flops / (rates.bwd * 1e12)
+    rates = c.attention[run.kernel]
+    share = (rates.window if shape.span.kind == "window" else 1.0) * (rates.wide_heads if shape.head_dim > 128
+                                                                      else 1.0)
+    fwd, bwd = _attention_flops(run, shape), _attention_flops(run, shape, backward=True)
+    return fwd / (rates.fwd * share * 1e12), 2.5 * bwd / (rates.bwd * share * 1e12)
 
 
 def _pass(run: Run, c: Constants, shape: LayerShape) -> _Pass:
