@@ -27,7 +27,7 @@ def test_imports_and_resolves_the_loss_without_liger_kernel():
 import sys
 sys.modules["liger_kernel"] = None  # any import of it fails
 import torch
-import ulysses_train, ulysses_train.train.trainer, ulysses_train.tools.plan
+import ulysses_train, ulysses_train.train.run.trainer, ulysses_train.tools.plan
 from ulysses_train.levers.loss import liger_check
 from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
 from ulysses_train.model.build import load_model_config

@@ -4,7 +4,7 @@
     result = train("run.yaml", learning_rate=1e-4)   # in this process (train/api.py); see docs/python-api.md
 
 `ulysses_train.train` is that function; the package of the same name is imported by its modules' full names
-(`from ulysses_train.train.config import ...`).
+(`from ulysses_train.train.config.train_config import ...`).
 
     sp/       sequence parallelism: parallel sizes, process groups, the all-to-all, sharding, the attention wrapper
               and its kernels
@@ -12,8 +12,8 @@
               kernels, YaRN, shared master weights) and the policy that resolves them
     model/    model presets and building, its buffers, and every patch the levers make to it (surgery)
     data/     generated tokens, corpora, batches
-    train/    the run: configuration, DeepSpeed config, the trainer, the loop, checkpoints, faults, metrics, --verify,
-              the Python API
+    train/    the run, in rooms that follow its flow: config/, process/, checkpoints/, step/, preference/, run/
+              (the trainer), verify/; the Python API (api.py) and the command line (cli.py)
     tools/    the planner, export, the position check, the preview, demos (also as `python -m ulysses_train.<tool>`)
 """
 
