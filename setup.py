@@ -1,10 +1,20 @@
 from setuptools import find_packages, setup
 
+CONSOLE_SCRIPTS = [
+    "ulysses-train = ulysses_train.train.cli:main",  # launch/train.py
+    "ulysses-plan = ulysses_train.tools.plan:main",  # python -m ulysses_train.plan
+    "ulysses-export = ulysses_train.tools.export:main",  # python -m ulysses_train.export
+    "ulysses-preview = ulysses_train.tools.preview:main",  # python -m ulysses_train.preview
+]
+
 setup(
     name="ulysses-train",
     version="0.1.0",
     description="Long-context fine-tuning of Hugging Face causal LMs with Ulysses sequence parallelism on DeepSpeed",
+    license="Apache-2.0",
     packages=find_packages(include=["ulysses_train", "ulysses_train.*"]),
+    # the commands; `deepspeed launch/train.py` (or `deepspeed $(which ulysses-train)`) starts the trainer on GPUs
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
     python_requires=">=3.10",
     # torch is not pinned: bring the build that matches your accelerator (CI installs torch==2.13.0, a CPU build)
     install_requires=["torch>=2.5", "deepspeed>=0.18", "transformers>=5.0", "accelerate>=1.0", "tqdm", "numpy",
@@ -15,7 +25,7 @@ setup(
                       "liger-kernel>=0.8.5; platform_system == 'Linux'"],
     extras_require={
         # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
-        "test": ["pytest>=8", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny",
+        "test": ["pytest>=8", "ruff>=0.6", "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny",
                  # the preference losses are checked against TRL's trainers' own loss code (internal: one minor)
                  "trl>=1.16,<1.17", "peft>=0.18",
                  "hypothesis>=6.100"],  # the probe suite: tests/test_probes.py
