@@ -50,3 +50,16 @@ def test_a_section_per_argument_group_with_aliases_types_defaults_and_help():
     assert "| `--warmup_steps` |  | int | 10% of --steps | Warmup. |" in page  # a default said in words
     assert "--hidden" not in page and "## Options" not in page  # argparse's own, empty, group is left out
     assert "bf16" in BY_NAME and "| `--bf16` | transformers, axolotl | `--dtype` |" in page  # the aliases table
+
+
+def test_defaults_and_bounds_live_in_the_fields_not_in_help_texts():
+    """What --help and the page say of a default the run decides and of a number's bounds comes from the field
+    (train/config/groups.py's `_f`: default_text, gt/ge/lt/le), so the two cannot say different things."""
+    from ulysses_train.train.config.groups import FLAGS
+
+    for name, flag in FLAGS.items():
+        assert "Default:" not in flag.field.metadata["help"], f"--{name}: give the default as _f(default_text=...)"
+    page = flags_doc.render()
+    assert "| `--verify_seq_len` |  | int, positive | min(--seq_len, 4096) | Tokens per sequence of the --verify " \
+           "step. |" in page
+    assert "(default: min(--seq_len, 4096); positive)" in " ".join(build_parser().format_help().split())

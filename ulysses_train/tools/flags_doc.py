@@ -32,9 +32,34 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _field_of(action: argparse.Action):
+    """The trainer's config field behind a flag of its parser (train/config/groups.py), or None for another parser."""
+    from ..train.config.groups import FLAGS
+    from ..train.config.train_config import flag_help
+
+    flag = FLAGS.get(action.dest)
+    return flag.field if flag is not None and action.help == flag_help(flag.field) else None
+
+
+def _as_written(stated: str) -> str:
+    """A default as YAML and the page say it, the same on every machine."""
+    if stated in (None, "None"):
+        return "none"
+    stated = re.sub(r"^(True|False|None)\b", lambda m: m.group(1).lower(), stated)
+    stated = stated.replace(ROOT + os.sep, "").replace("%%", "%")  # the repository's files relative
+    home = os.path.expanduser("~")
+    return stated.replace(home, "~") if len(home) > 1 else stated  # the home folder as ~
+
+
 def _default_and_help(action: argparse.Action) -> tuple[str, str]:
-    """The parser keeps no defaults (argument_default=SUPPRESS: the namespace holds only what was given), so the
-    default is the one the help states, `(default: X)` at its end; a default the action holds wins."""
+    """A flag's default and meaning: for the trainer's flags their field's (its help, default or default_text:
+    train/config/groups.py's `_f`, the one place --help reads too); for another parser, read back from its help
+    (the parser keeps no defaults: argument_default=SUPPRESS), `(default: X)` at its end or "Default: X." in it."""
+    field = _field_of(action)
+    if field is not None:
+        from ..train.config.train_config import default_text
+
+        return _as_written(default_text(field)), field.metadata["help"].replace("%%", "%")
     help_text = _ALSO.sub("", action.help or "")
     match = _DEFAULT.search(help_text)
     stated = match.group(1) if match else None
@@ -47,15 +72,20 @@ def _default_and_help(action: argparse.Action) -> tuple[str, str]:
     told = _TOLD.search(help_text)
     if stated in (None, "None") and told:  # a default that depends on the run, said in words: "Default: X."
         stated, help_text = told.group(1), (help_text[:told.start()] + help_text[told.end():]).strip()
-    if stated in (None, "None"):
-        return "none", help_text
-    stated = re.sub(r"^(True|False|None)\b", lambda m: m.group(1).lower(), stated)  # as YAML and the page say them
-    stated = stated.replace(ROOT + os.sep, "")  # the same page on every machine: the repository's files relative,
-    home = os.path.expanduser("~")
-    return (stated.replace(home, "~") if len(home) > 1 else stated), help_text  # the home folder as ~
+    return _as_written(stated), help_text
 
 
 def _takes(action: argparse.Action) -> str:
+    """What a flag takes: its choices, or its type (and, for the trainer's numbers, their bounds)."""
+    field = _field_of(action)
+    if field is not None and field.metadata["bounds"]:
+        from ..train.config.train_config import bounds_text
+
+        return f"{_kind(action)}, {bounds_text(field)}"
+    return _kind(action)
+
+
+def _kind(action: argparse.Action) -> str:
     if action.choices:
         return ", ".join(f"`{c}`" for c in action.choices)
     if action.metavar == "BOOL" or (action.nargs == "?" and action.const is True):

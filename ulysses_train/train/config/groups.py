@@ -29,11 +29,15 @@ PROGRESS = ("auto", "bar", "lines", "none")  # metrics.py draws them
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _f(default, help: str, *, gt=None, ge=None, lt=None, le=None, why: str = "", repeated: bool = False):
-    """A flag's field: its default, its help, its bounds (checked by `check_bounds`: gt/ge/lt/le, `why` said after a
-    violation) and whether it may be given several times."""
+def _f(default, help: str, *, default_text: str = "", gt=None, ge=None, lt=None, le=None, why: str = "",
+       repeated: bool = False):
+    """A flag's field: its default, its help, what an unset (None) default means in words where the run decides it
+    (`default_text`, e.g. "min(--seq_len, 4096)"), its bounds (checked by `check_bounds`: gt/ge/lt/le, `why` said
+    after a violation) and whether it may be given several times. --help and docs/flags.md read all of it from
+    here (train_config.py's `_help`, tools/flags_doc.py). Help texts are argparse's: a % is written %%."""
     bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
-    return field(default=default, metadata={"help": help, "bounds": bounds, "why": why, "repeated": repeated})
+    return field(default=default, metadata={"help": help, "default_text": default_text, "bounds": bounds, "why": why,
+                                            "repeated": repeated})
 
 
 class Settings:
@@ -62,14 +66,16 @@ class ModelConfig(Settings):
                               "loaded from it). Mutually exclusive with --model_config.")
     model_config: Optional[str] = _f(None, "Random initialisation from a preset (tiny, qwen3-4b, gemma3-4b, olmo3-7b, "
                                      "...: docs/models.md), a config.json, a model folder or a hub id (its config "
-                                     "only). Default: tiny, when --model is not given.")
+                                     "only).",
+                                     default_text="tiny, when --model is not given")
     num_layers: Optional[int] = _f(None, "Override the number of decoder layers of --model_config (for benchmarks at "
                                    "reduced depth).", gt=0)
     dtype: Literal[DTYPES] = _f("auto", "Training precision: auto is bf16 on GPU and fp32 on CPU.")
     rope_scaling: Literal[ROPE_SCALINGS] = _f("none", "yarn: YaRN rescaling of rotary positions for sequences past the "
                                               "model's pretrained length; rope_theta and that length are read from the "
                                               "model config.")
-    rope_factor: Optional[float] = _f(None, "YaRN factor. Default: --seq_len / the model's pretrained length.")
+    rope_factor: Optional[float] = _f(None, "YaRN factor.",
+                                      default_text="--seq_len / the model's pretrained length")
     rope_theta: Optional[float] = _f(None, "Only as a check: must equal the model's rope_theta (it is read from the "
                                      "model config).")
     rope_original_max_positions: Optional[int] = _f(None, "Only as a check: must equal the model's pretrained length "
@@ -81,14 +87,16 @@ class DataConfig(Settings):
     """Data: what is read, how it is tokenized and cut into samples (data/ takes this group)."""
 
     dataset: Union[str, dict, list, None] = _f(None, "Training data: a hub id (datasets.load_dataset) or a local "
-                                               "file/folder of .txt (one file = one document), .jsonl/.json, .parquet, "
-                                               ".arrow, or a save_to_disk folder. Given several times (or as a YAML "
-                                               "list), a mixture: each entry a path or a JSON object {path, split, "
-                                               "weight | samples, data_format, text_column, messages_field, role_map} "
-                                               "(docs/data.md). Default: generated tokens (the embedded default).",
+                                               "file/folder of .txt (one file = one document), .jsonl/.json, "
+                                               ".parquet, .arrow, or a save_to_disk folder. Given several times (or "
+                                               "as a YAML list), a mixture: each entry a path or a JSON object {path, "
+                                               "split, weight | samples, data_format, text_column, messages_field, "
+                                               "role_map} (docs/data.md).",
+                                               default_text="generated tokens (the embedded default)",
                                                repeated=True)
     dataset_split: str = _f("train", "Split of --dataset.")
-    text_column: Optional[str] = _f(None, "Column holding the text. Default: 'text'.")
+    text_column: Optional[str] = _f(None, "Column holding the text.",
+                                    default_text="'text'")
     data_format: Literal[DATA_FORMATS] = _f("auto", "What --dataset holds. messages: a list of {role, content} per "
                                             "row, rendered with the chat template; prompt_completion: prompt and "
                                             "completion strings or message lists; tokens: input_ids, with optional "
@@ -141,9 +149,10 @@ class PreferenceConfig(Settings):
     method: Literal[METHODS] = _f("sft", "sft: the next-token loss on what --loss_on trains. dpo: Direct Preference "
                                   "Optimization on prompt/chosen/rejected pairs against the reference (the initial "
                                   "weights; their log-probs computed once per dataset under SP and cached beside the "
-                                  "tokens). simpo, orpo: reference-free (docs/preference.md). Default: dpo for one "
-                                  "--dataset with `chosen` and `rejected` columns (and no --data_format, "
-                                  "--text_column, --messages_field or --loss_on), else sft.")
+                                  "tokens). simpo, orpo: reference-free (docs/preference.md).",
+                                  default_text=("dpo for one --dataset with `chosen` and `rejected` columns (and no "
+                                                "--data_format, --text_column, --messages_field or --loss_on), else "
+                                                "sft"))
     beta: float = _f(0.1, "The preference loss's beta (TRL's): DPO's KL weight, SimPO's reward scale, ORPO's "
                      "odds-ratio weight.", gt=0)
     loss_type: Literal[LOSS_TYPES] = _f("sigmoid", "DPO's loss, as TRL names it: sigmoid (DPO), ipo (IPO, per-token "
@@ -151,17 +160,18 @@ class PreferenceConfig(Settings):
     simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma (TRL's simpo_gamma).")
     max_length: Optional[int] = _f(None, "Preference pairs: the most tokens of one side (prompt + completion), TRL's "
                                    "max_length; a longer side is an error or cut by --truncation (left: the prompt's "
-                                   "start, right: the completions' ends). Default: --seq_len / 2 (a row of --seq_len "
-                                   "holds both sides of a pair).", gt=0)
+                                   "start, right: the completions' ends).",
+                                   default_text="--seq_len / 2 (a row of --seq_len holds both sides of a pair)", gt=0)
     max_prompt_length: Optional[int] = _f(None, "Preference pairs: the most tokens of a pair's prompt, TRL's "
-                                          "max_prompt_length: a longer prompt keeps its last tokens (its start is "
-                                          "cut from both sides, counted in the log), before --max_length applies. "
-                                          "Default: prompts whole.", gt=0)
+                                          "max_prompt_length: a longer prompt keeps its last tokens (its start is cut "
+                                          "from both sides, counted in the log), before --max_length applies.",
+                                          default_text="prompts whole", gt=0)
     ref_model: Optional[str] = _f(None, "DPO's reference, a separate frozen model (TRL's ref_model): a pretrained "
                                   "folder or hub id with the parameters of --model's architecture. Its log-probs are "
                                   "computed once per dataset, its weights swapped into the model for that forward "
-                                  "pass (no second model is held), and cached like the default's. Default: the "
-                                  "run's initial weights (with --use_peft, the base with the adapters off).")
+                                  "pass (no second model is held), and cached like the default's.",
+                                  default_text=("the run's initial weights (with --use_peft, the base with the "
+                                                "adapters off)"))
 
 
 @dataclass
@@ -196,25 +206,27 @@ class OptimConfig(Settings):
     epochs: Optional[float] = _f(None, "Passes over --dataset: --steps becomes ceil(epochs x samples / (micro batch x "
                                  "grad_accum x data-parallel size)). A --steps given as well wins (as max_steps does "
                                  "in transformers).", gt=0)
-    lr: Optional[float] = _f(None, "Peak learning rate. Default: the DS config's optimizer lr, else 1e-3 for random "
-                             "init and 1e-5 for a pretrained --model.", gt=0)
+    lr: Optional[float] = _f(None, "Peak learning rate.",
+                             default_text=("the DS config's optimizer lr, else 1e-3 for random init and 1e-5 for a "
+                                           "pretrained --model"), gt=0)
     lr_scheduler_type: Literal[LR_SCHEDULES] = _f("cosine", "The lr after the warmup: cosine or linear decay from --lr "
                                                   "to --lr x --min_lr_ratio at the last step, or constant_with_warmup.")
     min_lr_ratio: float = _f(0.1, "Where the cosine and linear decays end: --lr x min_lr_ratio at the last step "
                              "(0: transformers' schedules, which end at 0).",
                              ge=0, le=1, why="it is the fraction of --lr the decay ends at")
-    warmup_steps: Optional[int] = _f(None, "Linear warmup steps. Default: --warmup_ratio, else 10%% of --steps.")
+    warmup_steps: Optional[int] = _f(None, "Linear warmup steps.",
+                                     default_text="--warmup_ratio, else 10%% of --steps")
     warmup_ratio: Optional[float] = _f(None, "Warmup as a fraction of --steps (rounded up), unless --warmup_steps is "
                                        "given and > 0.", ge=0, le=1)
     weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
-    max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables). Default: the DS config's "
-                                        "gradient_clipping, else 1.0.", ge=0)
+    max_grad_norm: Optional[float] = _f(None, "Gradient clipping norm (0 disables).",
+                                        default_text="the DS config's gradient_clipping, else 1.0", ge=0)
     adam_beta1: float = _f(0.9, "AdamW's beta1 (a --ds_config optimizer block's \"auto\" betas take it).", ge=0, lt=1)
     adam_beta2: float = _f(0.95, "AdamW's beta2 (transformers' default is 0.999; 0.95 is the usual choice for LLM "
                            "training).", ge=0, lt=1)
     adam_epsilon: float = _f(1e-8, "AdamW's epsilon (a --ds_config optimizer block's \"auto\" eps takes it).", gt=0)
-    grad_accum: Optional[int] = _f(None, "Micro-steps per optimizer step. Default: the DS config's "
-                                   "gradient_accumulation_steps, else 1.", gt=0)
+    grad_accum: Optional[int] = _f(None, "Micro-steps per optimizer step.",
+                                   default_text="the DS config's gradient_accumulation_steps, else 1", gt=0)
     skip_nonfinite: bool = _f(False, "Skip an optimizer step whose loss is NaN/inf instead of stopping the run (needs "
                               "--grad_accum 1).")
 
@@ -224,13 +236,14 @@ class ParallelConfig(Settings):
     """Parallelism: the sequence-parallel layout, the micro batch, the DeepSpeed JSON, the watchdog."""
 
     sp_size: Optional[int] = _f(None, "Sequence-parallel group size: ranks that share one sequence. Must divide the "
-                                "world size; the rest is data parallel. Default: the ranks on one node.", gt=0)
+                                "world size; the rest is data parallel.",
+                                default_text="the ranks on one node", gt=0)
     ring_size: str = _f("auto", "Ring attention degree inside each SP group: --sp_size ranks run as Ulysses (sp / "
                         "ring consecutive ranks split the heads) x ring (K/V blocks passed around, zigzag balanced, "
                         "exact, packing kept). A ring lifts the head-count limit (28 heads at --sp_size 8: a ring of "
                         "2). auto: the largest Ulysses degree the heads allow (no ring when they divide --sp_size).")
-    micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step. Default: the DS config's "
-                                         "train_micro_batch_size_per_gpu, else 1.", gt=0)
+    micro_batch_size: Optional[int] = _f(None, "Sequences per SP group per micro-step.",
+                                         default_text="the DS config's train_micro_batch_size_per_gpu, else 1", gt=0)
     ds_config: str = _f(os.path.join(REPO_ROOT, "ds_configs", "zero3.json"),
                         "DeepSpeed JSON config. Values set to \"auto\" are filled from the flags.")
     dist_timeout: float = _f(600.0, "Seconds a rank may go without a heartbeat before it is named frozen and every "
@@ -359,9 +372,11 @@ class EvalConfig(Settings):
                                      "apply): its loss, at --seq_len under SP, goes to metrics.jsonl and the trackers "
                                      "every --eval_steps and after the last step; for preference pairs, their loss "
                                      "and TRL's metrics (eval_rewards/margins, ...).")
-    eval_split: Optional[str] = _f(None, "Split of --eval_dataset. Default: --dataset_split.")
+    eval_split: Optional[str] = _f(None, "Split of --eval_dataset.",
+                                   default_text="--dataset_split")
     eval_steps: int = _f(0, "Evaluate every N optimizer steps (0: only after the last step).", ge=0)
-    eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of the eval set. Default: all.", gt=0)
+    eval_samples: Optional[int] = _f(None, "Evaluate on the first N samples of the eval set.",
+                                     default_text="all", gt=0)
     val_set_size: float = _f(0.0, "Hold out part of --dataset as the eval set (axolotl's val_set_size): a fraction "
                              "under 1 of its samples, or a number of samples; a fixed choice by --seed, the same "
                              "whatever the layout, never trained on. 0: none.", ge=0)
@@ -379,7 +394,8 @@ class VerifyConfig(Settings):
                       "compared with a single-process transformers reference on the same weights and tokens, in fp32 "
                       "and in the run's dtype. Prints a table and the verdict; exit code 0 within tolerance, 1 outside "
                       "it (docs/verify.md).")
-    verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step. Default: min(--seq_len, 4096).",
+    verify_seq_len: Optional[int] = _f(None, "Tokens per sequence of the --verify step.",
+                                       default_text="min(--seq_len, 4096)",
                                        gt=0)
 
 

@@ -376,12 +376,23 @@ def dataset_entry(text: str):
     return entry
 
 
-def _help(f: dataclasses.Field) -> str:
+def default_text(f: dataclasses.Field) -> str:
+    """A flag's default as --help and docs/flags.md say it: the words of an unset default the run decides (`_f`'s
+    default_text), else the value."""
+    return f.metadata["default_text"] or str(f.default)
+
+
+def bounds_text(f: dataclasses.Field) -> str:
+    """A flag's bounds in words ("positive", "in [0, 1]"), or "" for none."""
+    return _describe(f.metadata["bounds"]) if f.metadata["bounds"] else ""
+
+
+def flag_help(f: dataclasses.Field) -> str:
     """A flag's help: its field's, its aliases, its default and its bounds."""
     names = [a.name for a in aliases.ALIASES if a.flag == f.name and a.convert is None]
     also = f" Also --{', --'.join(names)}." if names else ""
-    bounds = f"; {_describe(f.metadata['bounds'])}" if f.metadata["bounds"] else ""
-    return f"{f.metadata['help']}{also} (default: {f.default}{bounds})"
+    bounds = f"; {bounds_text(f)}" if f.metadata["bounds"] else ""
+    return f"{f.metadata['help']}{also} (default: {default_text(f)}{bounds})"
 
 
 def build_parser(raise_errors: bool = False) -> _Parser:
@@ -396,7 +407,7 @@ def build_parser(raise_errors: bool = False) -> _Parser:
     sections = {name: parser.add_argument_group(*_section(name, cls)) for name, cls in GROUPS.items()}
     actions = {}
     for name, flag in FLAGS.items():
-        kw = dict(help=_help(flag.field), dest=name)
+        kw = dict(help=flag_help(flag.field), dest=name)
         if flag.choices:
             kw["choices"] = flag.choices
         if flag.type is bool:
