@@ -1,8 +1,8 @@
-"""docs/architecture.md's rule, checked on the source: imports point down (sp < levers < model < data < train < tools),
-including the imports made inside functions, so no package imports one above it and there is no import cycle
-between packages. And in tests/: no file imports from a test module (`tests.test_*`); what tests share lives in
-helper modules (tests/trainer_runs.py, tests/references.py, ...), so running or editing one test file does not
-import or depend on another."""
+"""docs/architecture.md's rule, checked on the source: imports point down (families < sp < levers < model < data <
+train < tools), including the imports made inside functions; inside train/ its rooms follow a run's flow; and no
+module of the package is in an import cycle. And in tests/: no file imports from a test module (`tests.test_*`);
+what tests share lives in helper modules (tests/trainer_runs.py, tests/references.py, ...), so running or editing
+one test file does not import or depend on another."""
 
 import ast
 import os
@@ -11,7 +11,7 @@ from tests.trainer_runs import ROOT
 
 PACKAGE = os.path.join(ROOT, "ulysses_train")
 TESTS = os.path.join(ROOT, "tests")
-LAYERS = {"errors": 0, "paths": 0, "sp": 1, "levers": 2, "model": 3, "data": 4, "train": 5, "tools": 6}
+LAYERS = {"errors": 0, "paths": 0, "families": 0, "sp": 1, "levers": 2, "model": 3, "data": 4, "train": 5, "tools": 6}
 # train/'s rooms in the order of a run's flow (ulysses_train/train/__init__.py): each imports only those before it
 ROOMS = {"config": 0, "process": 1, "checkpoints": 2, "step": 3, "preference": 4, "run": 5, "verify": 6, "api": 7,
          "cli": 7}

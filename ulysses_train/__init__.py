@@ -6,6 +6,7 @@
 `ulysses_train.train` is that function; the package of the same name is imported by its modules' full names
 (`from ulysses_train.train.config.train_config import ...`).
 
+    families/ one record per model family: what the trainer knows of it beyond its transformers config
     sp/       sequence parallelism: parallel sizes, process groups, the all-to-all, sharding, the attention wrapper
               and its kernels
     levers/   the memory and speed levers (fused loss, checkpointing and host offload, tiled MLP, lean norms, fused

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import ConfigError
+from ..families import record_of
 
 GiB = 2**30
 LOSS_KINDS = ("fused", "plain")
@@ -35,10 +36,9 @@ KEEP_PLAN_FRACTION = 0.8
 # working set, the part of the estimate counted op by op (within 3.4% on the H200, docs/memory.md), and the kept
 # outputs are judged first, so the two together are held to this share
 UNTILE_PLAN_FRACTION = 0.85
-# The families whose memory estimate is measured (on the H200 within 6%, docs/memory.md; op by op on the CPU,
-# tests/test_plan.py): only for them do the two rules above spend memory on the estimate's word (Gemma 3's peaks are
-# 15-27% over it)
-ESTIMATE_MEASURED = ("qwen3", "qwen3_moe", "qwen3_5_text", "llama")
+# Only for the families whose memory estimate is measured (their record's `estimate_measured`: on the H200 within
+# 6%, docs/memory.md; op by op on the CPU, tests/test_plan.py) do the two rules above spend memory on the estimate's
+# word (Gemma 3's peaks are 15-27% over it)
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
     config fixes (tools/plan.py: ds_config_choices), `fits(levers, share=0.95)` whether given levers fit the
     device within that share of its memory (the planner's estimate, levers/memory.py: fits_on), for
-    `--checkpoint_layers auto`, and for `--attn_recompute auto` and `--tiled_mlp auto` in ESTIMATE_MEASURED."""
+    `--checkpoint_layers auto`, and for `--attn_recompute auto` and `--tiled_mlp auto` in the families whose memory
+    estimate is measured."""
     ds_choices = ds_choices or {}
     why = {}
     offload = request.offload_activations and device.type == "cuda"
@@ -266,7 +267,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                     offload_optimizer=ds_choices.get("offload_optimizer", False),
                     gqa_native=not (act_bytes == 4 and device.type == "cuda"),
                     why={k: v for k, v in why.items() if v})
-    room = fits if g.get("model_type") in ESTIMATE_MEASURED else None
+    family = record_of(g.get("model_type"))
+    room = fits if family is not None and family.estimate_measured else None
     if request.checkpoint_layers == "auto":  # judged before the layer search spends what is left
         levers = _untile_where_the_plan_fits(levers, request, device, room)
     levers = _checkpoint_layers(levers, request, g["layers"], device, fits)

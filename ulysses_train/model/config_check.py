@@ -13,14 +13,14 @@ import math
 from typing import Any, Iterator, Optional
 
 from ..errors import ConfigError
-from ..sp.support import FAMILIES, family_of, layer_mixers
+from ..families import FAMILIES, RECORDS
+from ..sp.support import family_of, layer_mixers
 
-# counts and lengths: a positive whole number where the config sets them (None: the family's own default)
-POSITIVE_INTS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
-                 "attention_chunk_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-                 "num_experts_per_tok", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                 "linear_value_head_dim", "linear_conv_kernel_dim", "global_head_dim")
+# counts and lengths: a positive whole number where the config sets them (None: the family's own default); every
+# family's own keys (its record's `size_keys`) are checked in any config, since transformers keeps a stray key
+COMMON_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "sliding_window")
+POSITIVE_INTS = tuple(dict.fromkeys(COMMON_SIZES + sum((r.size_keys for r in RECORDS), ())))
 # rotary parameters that must be positive and finite where they are set
 POSITIVE_ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "attention_factor")
 

@@ -10,7 +10,9 @@ the largest layer (what ZeRO-3 gathers), `params` is the exact total and `matmul
 Sparse MoE layers count every expert's weights in the parameters, and for what one token computes and keeps only
 the experts it goes to (and a shared expert where there is one): `inter` is then experts per token x the expert's
 width (+ the shared expert's). Which layers attend how comes from the trainer's own support table (sp/support.py),
-so the planner and the trainer never disagree on it: `attn_spans` holds one `Span` per layer.
+so the planner and the trainer never disagree on it: `attn_spans` holds one `Span` per layer. What a family's
+modeling file adds that its config does not say (a gated query, q and k norms, Gemma's four norms a layer, sinks, the
+kind of MLP block) is its record's (ulysses_train/families/).
 
 Checked against `sum(p.numel())` of models built from tiny configs of every family (tests/test_geometry.py).
 """
@@ -19,16 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from ..families import FAMILIES
 from ..sp.support import layer_mixers
-
-# q_proj also emits the per-head output gate (Qwen3.5, Qwen3-Next's gated attention): twice the query width
-GATED_QUERY = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
-# q and k normalised per head (one weight of head_dim each); OLMo 3 normalises them across all heads instead
-HEAD_QK_NORM = {"gemma3_text", "gemma4_text"}  # and every qwen3* model type
-WIDE_QK_NORM = {"olmo3"}
-# RMSNorms of hidden width in each layer: Gemma normalises each sublayer's input and output, OLMo 3 only outputs
-HIDDEN_NORMS = {"gemma2": 4, "gemma3_text": 4, "gemma4_text": 4}
-GATED_DELTANET = "linear_attention"
 
 
 class Span(NamedTuple):
@@ -85,24 +79,24 @@ def _kv_shared(config, index: int) -> bool:
 
 def _attention(config, index: int) -> tuple[int, int, int, int, int]:
     """(parameters, matmul parameters, heads, KV heads, head_dim) of layer `index`'s attention."""
-    lc, h, model = _layer_config(config, index), config.hidden_size, config.model_type
+    lc, h, family = _layer_config(config, index), config.hidden_size, FAMILIES[config.model_type]
     q = config.num_attention_heads
     d = getattr(lc, "head_dim", None) or h // q
     kv = getattr(lc, "num_key_value_heads", None) or q
-    q_out = q * d * (2 if model in GATED_QUERY else 1)
+    q_out = q * d * (2 if family.gated_query else 1)
     # Gemma 4: KV-shared layers have neither k nor v; with attention_k_eq_v the global layers' v is their k
     k_eq_v = getattr(config, "attention_k_eq_v", False) and config.layer_types[index] != "sliding_attention"
     kv_out = 0 if _kv_shared(config, index) else kv * d * (1 if k_eq_v else 2)
     matmul = h * (q_out + kv_out) + q * d * h
-    if model == "qwen2":  # biases on q, k and v only
+    if family.qkv_bias:
         bias = q_out + kv_out
     else:
         bias = q_out + kv_out + h if getattr(config, "attention_bias", False) else 0
-    if model.startswith("qwen3") or model in HEAD_QK_NORM:
+    if family.qk_norm == "head":
         norms = d + (d if kv_out else 0)
     else:
-        norms = q * d + kv * d if model in WIDE_QK_NORM else 0
-    sinks = q if model == "gpt_oss" else 0  # one learned logit per head
+        norms = q * d + kv * d if family.qk_norm == "wide" else 0
+    sinks = q if family.sinks else 0  # one learned logit per head
     return matmul + bias + norms + sinks, matmul, q, kv, d
 
 
@@ -148,27 +142,28 @@ def _sparse(config, index: int) -> bool:
 
 
 def _mlp(config, index: int) -> tuple[int, int, int, bool]:
-    """(parameters, matmul parameters, intermediate width per token, sparse) of layer `index`'s MLP."""
-    h, model = config.hidden_size, config.model_type
-    if model == "gpt_oss":
+    """(parameters, matmul parameters, intermediate width per token, sparse) of layer `index`'s MLP, a block of the
+    kind its family's record names (families/record.py: `mlp`)."""
+    h, kind = config.hidden_size, FAMILIES[config.model_type].mlp
+    if kind == "biased_experts":
         return (*_experts(h, config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                           biased=True), True)
-    if model == "llama4_text":
+    if kind == "moe_layers":
         if index in config.moe_layers:  # routed experts and a shared expert, both of intermediate_size
             params, matmul, inter = _experts(h, config.num_local_experts, config.num_experts_per_tok,
                                              config.intermediate_size)
             dense = 3 * h * config.intermediate_size
             return params + dense, matmul + dense, inter + config.intermediate_size, True
         return (*_dense(h, config.intermediate_size_mlp), False)
-    if _declares_experts(config) and model != "gemma4_text" and _sparse(config, index):
+    if kind == "dense" and _declares_experts(config) and _sparse(config, index):
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         return (*_experts(h, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                           shared), True)
     inter = config.intermediate_size
-    if model == "gemma4_text" and config.use_double_wide_mlp and _kv_shared(config, index):
+    if kind == "dense_beside_experts" and config.use_double_wide_mlp and _kv_shared(config, index):
         inter *= 2
     params, matmul, width = _dense(h, inter, getattr(config, "mlp_bias", False))
-    if model == "gemma4_text" and config.enable_moe_block:  # experts beside the dense MLP, their outputs added
+    if kind == "dense_beside_experts" and config.enable_moe_block:  # experts beside the dense MLP, outputs added
         e = config.num_experts
         moe = _experts(h, e, config.top_k_experts, config.moe_intermediate_size)
         # the router's input scale and per-expert scales, and three more norms around the experts
@@ -190,12 +185,12 @@ def _dense(h: int, inter: int, bias: bool = False) -> tuple[int, int, int]:
 
 def hidden_norms(config) -> int:
     """The RMSNorms of hidden width each token passes through in a decoder layer."""
-    return HIDDEN_NORMS.get(config.model_type, 2)
+    return FAMILIES[config.model_type].hidden_norms
 
 
 def _per_layer_input(config) -> int:
     """Gemma 4's per-layer embedding width (0 without): each layer gates it in through two small projections."""
-    if config.model_type != "gemma4_text":
+    if not FAMILIES[config.model_type].per_layer_input:
         return 0
     return getattr(config, "hidden_size_per_layer_input", 0) or 0
 
@@ -241,10 +236,9 @@ def geometry(config) -> dict:
     moe = [s for s in shapes if s.moe]
     experts = max((getattr(config, name, 0) or 0 for name in ("num_experts", "num_local_experts")), default=0)
     per_token = (getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", 1)) if moe else 1
-    model = config.model_type
-    return dict(model_type=model, hidden=config.hidden_size, inter=max(s.inter for s in shapes),
+    return dict(model_type=config.model_type, hidden=config.hidden_size, inter=max(s.inter for s in shapes),
                 vocab=config.vocab_size, layers=n, **_attention_summary(shapes),
-                qk_norm=model.startswith("qwen3") or model in HEAD_QK_NORM or model in WIDE_QK_NORM,
+                qk_norm=bool(FAMILIES[config.model_type].qk_norm),
                 norms=hidden_norms(config), layer_params=max(s.params for s in shapes),
                 params=sum(s.params for s in shapes) + _model_params(config),
                 # what one token multiplies through per layer, on average over the layers (all of a dense layer;

@@ -6,9 +6,12 @@ sequence, and is exact. The danger is a layer that never passes through the atte
 or Mamba mixer): it would run on its rank's shard as if the sequence started there, with a normal-looking loss and
 wrong gradients. So nothing is assumed: a family the trainer has not checked, a layer type it does not know, or a
 feature it has not built for this run's SP, ring and kernel is a ConfigError naming what would work. The Gated DeltaNet
-layers of the families in SHARDED_MIXERS run exactly under Ulysses (deltanet.py: the same head all-to-all, the conv
-and the recurrence over the whole sequence for each rank's heads, both restarting at packed documents); not yet
-with a ring.
+layers of the families whose record lists them in `sharded_mixers` run exactly under Ulysses (deltanet.py: the same
+head all-to-all, the conv and the recurrence over the whole sequence for each rank's heads, both restarting at
+packed documents); not yet with a ring.
+
+What a family holds beyond its config (sinks, a softcap its attention applies, which mixers are sharded, whether it
+runs under a ring) is its record's (ulysses_train/families/); everything else is read from the config.
 
 `layer_mixers(config)` reads one `LayerMixer` per decoder layer from the config (its `layer_types`, `sliding_window`,
 `attention_chunk_size`, `no_rope_layers`, softcaps, sinks, per-layer heads); `check_support` applies this run's
@@ -23,56 +26,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
+from ..families import FAMILIES, FamilyRecord, families_with
 from . import dims
 
 
-ALL_KERNELS = "FA4, FA2, SDPA"
-
-
-@dataclass(frozen=True)
-class Family:
-    """A model family the trainer has made exact: what its decoder layers hold and where they run exactly, as the
-    table of docs/models.md shows it (tests/test_support.py checks each claim against `check_support`)."""
-
-    name: str
-    features: str  # what its attention layers do beyond full causal attention ("" when nothing)
-    kernels: str = ALL_KERNELS  # the attention kernels that run it exactly
-    ring: bool = True  # exact under --ring_size > 1 too
-    sequence_parallel: bool = True  # False: --sp_size 1 only
-    packing: bool = True  # False: --packing refused (a recurrence would run across documents)
-    window_from_config: bool = False  # no `layer_types`: every layer slides when `sliding_window` is set (Mistral)
-
-
-_WINDOWED = dict(ring=False)
-_LINEAR = dict(ring=False)  # Gated DeltaNet under Ulysses (deltanet.py), packed documents restarting it; no ring
-
-# model_type -> family; every entry is checked against plain transformers in tests/test_frontier_families.py,
-# tests/test_model_families.py and tests/test_model_equivalence.py
-FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama", "full attention"),
-    "qwen2": Family("Qwen2 / Qwen2.5", "full attention"),
-    "qwen3": Family("Qwen3", "full attention"),
-    "qwen3_moe": Family("Qwen3-MoE", "full attention, sparse MoE"),
-    "mistral": Family("Mistral", "sliding window when `sliding_window` is set", window_from_config=True,
-                      **_WINDOWED),
-    "gemma2": Family("Gemma 2", "sliding window, attention logit softcap, final logit softcap",
-                     kernels="FA4, FA2 (SDPA on CPU)", **_WINDOWED),
-    "gemma3_text": Family("Gemma 3 (text)", "sliding window on 5 of 6 layers", **_WINDOWED),
-    "gemma4_text": Family("Gemma 4 (text)", "sliding window, wider global heads, shared-KV layers",
-                          kernels="SDPA (FA4, FA2 where no head is over 256 wide)", **_WINDOWED),
-    "olmo3": Family("OLMo 3", "sliding window on 3 of 4 layers", **_WINDOWED),
-    "gpt_oss": Family("GPT-OSS", "sliding window, attention sinks, sparse MoE", kernels="FA4, SDPA", **_WINDOWED),
-    "llama4_text": Family("Llama 4 (text)", "chunked attention, NoPE layers with temperature tuning, MoE",
-                          **_WINDOWED),
-    "smollm3": Family("SmolLM3", "NoPE layers"),
-    "qwen3_5_text": Family("Qwen3.5 (text)", "Gated DeltaNet layers, gated attention", **_LINEAR),
-    "qwen3_5_moe_text": Family("Qwen3.5-MoE (text)", "Gated DeltaNet layers, gated attention, MoE", **_LINEAR),
-    "qwen3_next": Family("Qwen3-Next", "Gated DeltaNet layers, gated attention, MoE", **_LINEAR),
-}
-
-
 def supported_models_table() -> str:
-    """The table of supported models in docs/models.md, made from FAMILIES (tests/test_support.py keeps the page equal)."""
+    """The table of supported models in docs/models.md, made from the family records (tests/test_support.py keeps the
+    page equal)."""
     rows = ["| family | `model_type` | layers | exact under SP | ring (`--ring_size`) | packing | kernels |",
             "|---|---|---|---|---|---|---|"]
     for model_type, f in FAMILIES.items():
@@ -82,17 +42,10 @@ def supported_models_table() -> str:
     return "\n".join(rows)
 
 
-# MoE families whose router's load-balancing loss (transformers' `load_balancing_loss_func`) the trainer's loss adds
-# over the whole sequence (levers/loss.py: router_aux_share); tests/test_frontier_families.py checks them
-ROUTER_AUX_LOSS = {"qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
-
 # layer types whose token mixer is not attention, with what they are (the refusal names them)
 LINEAR_MIXERS = {"linear_attention": "Gated DeltaNet"}
-# families whose packed row in plain transformers lets documents attend each other (GPT-OSS's mask ignores the
-# restarting positions): a packed reference of them (--verify, the tests) runs each document alone
-PACKED_ROW_MIXES_DOCUMENTS = {"gpt_oss"}
-# layer type -> the families whose mixer of that type runs exactly under Ulysses (deltanet.py, tests/test_deltanet.py)
-SHARDED_MIXERS = {"linear_attention": {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}}
+# the families whose packed reference runs each document alone (train/verify/reference_model.py: documents_apart)
+PACKED_ROW_MIXES_DOCUMENTS = frozenset(families_with("packed_row_mixes_documents"))
 
 
 @dataclass(frozen=True)
@@ -122,7 +75,7 @@ class LayerMixer:
         return "attention" + "".join(f", {p}" for p in parts if p)
 
 
-def family_of(config) -> Family:
+def family_of(config) -> FamilyRecord:
     """The family of `config`, or a ConfigError (one line) saying what kind of model it is and that the trainer
     will not run it."""
     model_type = config.model_type
@@ -183,7 +136,7 @@ def _per_layer_heads(config, index: int) -> tuple[int, int]:
     return q, kv or q
 
 
-def _layer_types(config, family: Family) -> list[str]:
+def _layer_types(config, family: FamilyRecord) -> list[str]:
     n = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or [])
     if not types:
@@ -198,8 +151,8 @@ def layer_mixers(config) -> list[LayerMixer]:
     """One LayerMixer per decoder layer of `config`; an unknown family or layer type is a ConfigError."""
     family = family_of(config)
     no_rope = getattr(config, "no_rope_layers", None)  # 1: the layer uses rotary positions (SmolLM3, Llama 4)
-    sinks = config.model_type == "gpt_oss"
-    softcap = getattr(config, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
+    sinks = family.sinks
+    softcap = getattr(config, "attn_logit_softcapping", None) if family.attention_softcap else None
     tuning = bool(getattr(config, "attn_temperature_tuning", False))
     mixers = []
     for index, layer_type in enumerate(_layer_types(config, family)):
@@ -226,15 +179,16 @@ def _refusals(config, mixers: list[LayerMixer], sp_size: int, ring_size: int, ke
               device_type: str, packing: bool) -> list[str]:
     """Every reason this run cannot be exact, each naming what would work."""
     why, model = [], config.model_type
+    sharded = FAMILIES[model].sharded_mixers
     for kind, n in Counter(m.kind for m in mixers if not m.attention).items():
         what = f"`{kind}` layers ({n} of {len(mixers)}, {LINEAR_MIXERS[kind]})"
-        if sp_size > 1 and model not in SHARDED_MIXERS.get(kind, ()):
+        if sp_size > 1 and kind not in sharded:
             why.append(f"{what} are not sharded exactly under sequence parallelism yet (each rank would run them "
                        f"on its own shard): --sp_size 1 works")
         elif ring_size > 1:
             why.append(f"{what} under --ring_size {ring_size} are not built (the recurrence's state would have to "
                        f"pass round the ring): use --ring_size 1 (Ulysses alone)")
-        if packing and model not in SHARDED_MIXERS.get(kind, ()):
+        if packing and kind not in sharded:
             why.append(f"{what} would carry their state across packed documents: drop --packing")
     if getattr(config, "use_bidirectional_attention", False):
         why.append("bidirectional attention (use_bidirectional_attention) is not built: the kernels are causal")
@@ -250,9 +204,10 @@ def _refusals(config, mixers: list[LayerMixer], sp_size: int, ring_size: int, ke
                    "flash_attn_4")
     if any(m.sinks for m in mixers) and kernel == "flash_attn":
         why.append("attention sinks have no FA2 kernel: --attn_kernel flash_attn_4 or sdpa")
-    if getattr(config, "output_router_logits", False) and model not in ROUTER_AUX_LOSS:
+    if getattr(config, "output_router_logits", False) and not FAMILIES[model].router_aux_loss:
         why.append("the MoE router's load-balancing loss (output_router_logits) is built for "
-                   f"{', '.join(sorted(ROUTER_AUX_LOSS))} only: set output_router_logits to false in the model config")
+                   f"{', '.join(sorted(families_with('router_aux_loss')))} only: set output_router_logits to false in "
+                   f"the model config")
     return [f"{model}: {w}" for w in why]
 
 

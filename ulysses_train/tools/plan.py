@@ -23,7 +23,7 @@ import sys
 from typing import Optional
 
 from ..errors import ConfigError
-from ..sp.support import FAMILIES
+from ..families import record_of
 from ..levers.memory import CUDA_OVERHEAD, estimate, fits, fits_on
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.geometry import geometry
@@ -86,7 +86,7 @@ def sp_plans(g: dict, gpus: int, sp: Optional[int] = None, ring: Optional[int] =
     """(sp, ring) for each SP size the planner may try (only `sp` if given), smallest first: the ring `ring`, or by
     default the one --ring_size auto chooses (none where the heads allow a pure Ulysses split)."""
     plans = []
-    family = FAMILIES.get(g.get("model_type"))
+    family = record_of(g.get("model_type"))
     for size in [sp] if sp else _divisors(gpus):  # an SP group divides the GPUs (sp/dims.py)
         if size > 1 and family is not None and not family.sequence_parallel:
             continue  # layers the support check refuses under SP (sp/support.py)
