@@ -7,7 +7,7 @@ import re
 import pytest
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config.train_config import build_parser, parse_args
+from ulysses_train.train.config.train_config import parse_args
 from ulysses_train.train.config.groups import REPO_ROOT
 from ulysses_train.train.config.ds_config import resolve_ds_config
 from ulysses_train.train.config.ds_file import load_ds_config

@@ -4,7 +4,6 @@ work. The table of supported models in docs/models.md is the check's own, so it 
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch

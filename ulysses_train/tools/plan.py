@@ -27,7 +27,7 @@ from ..families import record_of
 from ..levers.memory import CUDA_OVERHEAD, estimate, fits, fits_on
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.geometry import geometry
-from ..sp.dims import check_heads, resolve_ring_size, valid_sp_sizes, validate
+from ..sp.dims import check_heads, resolve_ring_size, validate
 from ..train.config.train_config import ring_size_number
 from ..train.config.ds_config import lever_choices
 from ..train.config.ds_file import load_ds_config

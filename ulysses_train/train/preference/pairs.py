@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ...data.pair_packing import preference_batch
-from ...errors import ConfigError
 from ...levers.preference_loss import PreferenceObjective, PreferenceSpec, pair_stats, pair_terms, step_means
 from ...sp.sharding import shard_sequence
 from ..step.loop import forward_backward
