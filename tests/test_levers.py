@@ -17,7 +17,7 @@ SEQ = 64
 
 
 def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offload=False, lean=False, kernel="sdpa",
-          checkpoint_layers=None):
+          checkpoint_layers=None, gpu_checkpoints=0, every=1, config=None, dropout=0.0):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -35,11 +35,14 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
         fa4_op.IMPL.update(fa4_op.REFERENCE_IMPL)
     register_ulysses_attention(group, kernel)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="ulysses")
+    model = AutoModelForCausalLM.from_config(config or tiny_config("qwen3"), attn_implementation="ulysses")
     model.train()
+    for layer in model.model.layers if dropout else []:  # random masks that every recompute must repeat
+        layer.mlp.register_forward_hook(lambda m, i, out: torch.nn.functional.dropout(out, dropout, training=True))
     hooks = HostOffload(min_bytes=0) if offload else None
     if checkpoint:
-        enable_checkpointing(model, keep_attention, offload=hooks, layers=checkpoint_layers)
+        enable_checkpointing(model, keep_attention, offload=hooks, layers=checkpoint_layers,
+                             gpu_checkpoints=gpu_checkpoints, every=every)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
         from ulysses_train.model.surgery import install_fused_mlp, install_fused_rotary
@@ -121,6 +124,51 @@ def test_partial_checkpointing_is_exact_and_checkpoints_only_the_first_layers():
                 torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
         assert offloaded[keep, 0] == 0 and offloaded[keep, layers] == layers * offloaded[keep, 1] > 0
     assert offloaded[True, 1] > offloaded[False, 1]  # the kept outputs of the checkpointed layer went out too
+
+
+def _five_layers(**extra):
+    from transformers import AutoConfig
+
+    from tests.models import TINY
+
+    return AutoConfig.for_model("qwen3", **{**TINY["qwen3"], "num_hidden_layers": 5, **extra})
+
+
+def test_checkpoints_split_between_gpu_and_host_and_segments_are_exact():
+    """`--gpu_checkpoints` and `--checkpoint_every` (levers/placement.py): five layers, the last two keeping their
+    checkpoints on the "GPU" (not offloaded) and the first three offloading theirs, and segments of two layers (the
+    second's input regenerated in the backward, the attention kernel run once more per regenerating layer), alone,
+    with the offload split, with kept outputs and beside uncheckpointed layers: the loss and every gradient equal
+    those without checkpointing, and the offloaded bytes are those of the layers placed on the host."""
+    config = _five_layers()
+    layers, layer_input = 5, SEQ * config.hidden_size * 4
+    base_loss, base_grads, base_calls, _ = _step(0, 1, False, "fused", False, config=config)
+    assert base_calls == layers
+    # (keep, offload, checkpoint_layers, gpu_checkpoints, every) -> attention kernel calls, offloaded layer inputs
+    variants = {(False, True, None, 2, 1): (2 * layers, 3), (True, True, None, 2, 1): (layers, 3),
+                (False, False, None, 0, 2): (2 * layers + 2, 0), (True, True, None, 1, 2): (layers + 2, 2),
+                (False, True, 4, 1, 3): (layers + 4 + 2, 1)}
+    for (keep, offload, n, gpu, every), (calls_expected, inputs) in variants.items():
+        loss, grads, calls, offloaded = _step(0, 1, keep, "fused", True, False, offload, False, "sdpa", n, gpu, every,
+                                              config)
+        assert calls == calls_expected, (keep, offload, n, gpu, every)
+        assert loss == pytest.approx(base_loss, rel=1e-6), (keep, offload, n, gpu, every)
+        for name, ref in base_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        if not keep:
+            assert offloaded == inputs * layer_input, (offload, n, gpu, every)
+
+
+def test_segments_repeat_the_forward_random_state():
+    """A regenerating forward runs under each layer's random state of the forward (as --lora_dropout's masks need):
+    with dropout after every MLP the loss and gradients of segments of two equal those of a checkpoint per layer
+    (which torch's checkpoint already replays exactly)."""
+    config = _five_layers()
+    loss, grads, _, _ = _step(0, 1, False, "fused", True, config=config, dropout=0.3)
+    seg_loss, seg_grads, _, _ = _step(0, 1, False, "fused", True, every=2, config=config, dropout=0.3)
+    assert seg_loss == pytest.approx(loss, rel=1e-6)
+    for name, ref in grads.items():
+        torch.testing.assert_close(seg_grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.skipif(not triton_importable(), reason="needs Triton (pip install triton): its interpreter runs the "

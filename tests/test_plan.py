@@ -7,7 +7,7 @@ import pytest
 
 from transformers import AutoConfig
 
-from tests.models import qwen2_28_heads_config, tiny_config
+from tests.models import TINY, qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, Levers
 from ulysses_train.model.geometry import geometry
 from ulysses_train.sp.dims import valid_sp_sizes
@@ -421,3 +421,45 @@ def test_the_plan_prints_a_command_to_copy_and_labels_its_breakdown(tmp_path, ca
     command = shlex.split(capsys.readouterr().out.split("run it:\n")[1].strip())
     assert command[:8] == ["deepspeed", "--num_nodes", "2", "--hostfile", "HOSTFILE", "--num_gpus", "8",
                            "launch/train.py"] and parse_args(command[8:])[0].data.seq_len == 32768
+
+
+def test_checkpoint_split_and_segments_by_hand():
+    """`--gpu_checkpoints` and `--checkpoint_every` in the estimate: the last g checkpointed layers' inputs and
+    kept outputs on the GPU, the others' on the host (of every rank), the two adding up to what the offload of
+    every layer puts on the host; segments of k layers keep one input per segment and hold k - 1 regenerated inputs
+    in the layer's working set."""
+    import dataclasses
+
+    g = geometry(AutoConfig.for_model("qwen3", **{**TINY["qwen3"], "num_hidden_layers": 5}))
+    t, one, kept_one = 512, 512 * 64 * 2, 512 * (64 * 2 + 8 * 4)  # tokens per rank, a layer input, kept outputs
+    host_all = estimate(g, 1024, 4, 2, Levers(offload_activations=True))
+    assert host_all["host"]["offloaded checkpoints"] == 4 * 5 * (one + kept_one)
+    for gpu in (0, 2, 5):
+        split = estimate(g, 1024, 4, 2, Levers(offload_activations=True, gpu_checkpoints=gpu))
+        assert split["gpu"]["checkpoints"] == gpu * one and split["gpu"]["kept attention"] == gpu * kept_one
+        assert split["host"]["offloaded checkpoints"] == 4 * (5 - gpu) * (one + kept_one)
+        assert split["gpu_total"] - host_all["gpu_total"] == gpu * (one + kept_one)
+    on_gpu = estimate(g, 1024, 4, 2, Levers())
+    assert on_gpu["gpu"]["checkpoints"] == 5 * one and on_gpu["host"]["offloaded checkpoints"] == 0
+    segments = estimate(g, 1024, 4, 2, Levers(checkpoint_every=2))  # layers 0, 2 and 4 hold their inputs
+    assert segments["gpu"]["checkpoints"] == 3 * one and segments["gpu"]["kept attention"] == 5 * kept_one
+    assert segments["gpu"]["regenerated inputs"] == one
+    assert segments["gpu"]["layer working set"] - on_gpu["gpu"]["layer working set"] == one
+    # segments of 2 with the last two layers on the GPU: inputs of layers 0 and 2 on the host, of layer 4 on the GPU
+    both = estimate(g, 1024, 4, 2, dataclasses.replace(Levers(offload_activations=True, keep_attention=False),
+                                                         gpu_checkpoints=2, checkpoint_every=2))
+    assert both["gpu"]["checkpoints"] == one and both["host"]["offloaded checkpoints"] == 4 * 2 * one
+    assert both["checkpoint_split"]["checkpoints"] == 3 and both["checkpoint_split"]["gpu layers"] == 2
+
+
+def test_the_plan_prints_where_the_checkpoints_are(capsys):
+    """Past what the host holds, the plan keeps on the GPU what fits there and says so; past what GPU and host hold,
+    it checkpoints every k-th layer and says that too."""
+    assert main(["--model_config", "qwen3-8b", "--gpus", "1", "--seq_len", "458752"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("checkpoints:"))
+    assert re.search(r"the last [1-9]\d* layers' on the GPU", line) and "--gpu_checkpoints" in out
+    assert "one every" not in line and "--checkpoint_every 1" in out
+    assert main(["--model_config", "qwen3-8b", "--gpus", "1", "--seq_len", "589824"]) == 0
+    out = capsys.readouterr().out
+    assert "one every 2 layers" in out and "--checkpoint_every 2" in out and "regenerated inputs" in out

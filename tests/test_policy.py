@@ -20,12 +20,12 @@ from ulysses_train.train.run.trainer import run_levers
 GPU_GIB, HOST_GIB = 139.7, 125.0
 
 
-def _trainer_side(argv: list[str], gpus: int, sp: int):
+def _trainer_side(argv: list[str], gpus: int, sp: int, host_gib: float = HOST_GIB):
     cfg, explicit = parse_args(argv)
     config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
     ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, gpus // sp, sp, config.hidden_size,
                            use_bf16=True, random_init=True)
-    device = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=min(gpus, 8))
+    device = DeviceInfo.gpu(GPU_GIB, host_gib, local_ranks=min(gpus, 8))
     return run_levers(cfg, config, ds, sp, torch.bfloat16, device)
 
 
@@ -211,3 +211,74 @@ def test_the_plan_room_rules_apply_only_where_the_memory_estimate_is_measured():
     assert gemma.tiled_mlp and "85%" not in gemma.why["tiled_mlp"]
     relabelled = resolve_levers(LeverRequest(), {**g, "model_type": "qwen3"}, 131072, 2, device, fits=fits)
     assert not relabelled.tiled_mlp
+
+
+def test_gpu_checkpoints_auto_grows_with_the_gpu_and_segments_only_where_gpu_and_host_fall_short():
+    """`--gpu_checkpoints auto` with the offload (levers/placement.py): Qwen3-8B at 256k on one GPU (bf16 optimizer
+    states) leaves every checkpoint on a host that holds them (125 GiB); on a host that does not (70 GiB) it keeps
+    more checkpoints on the GPU the more memory the GPU has, each time the most under 90% of it (one more is over),
+    all of them on a large enough GPU; `--checkpoint_every auto` stays 1 while GPU and host hold a checkpoint per
+    layer, and only where they do not (a smaller host) takes the smallest k that fits."""
+    from ulysses_train.levers.memory import estimate, fits
+    from ulysses_train.levers.placement import GPU_CHECKPOINT_FRACTION
+
+    g = geometry(load_model_config(None, "qwen3-8b"))
+    request = LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True)
+    seq_len, host, bf16 = 262144, 70 * 2**30, {"bf16_states": True}
+    roomy = plan.levers_for(request, g, seq_len, 1, 1, 139.7 * 2**30, HOST_GIB * 2**30, bf16)
+    assert roomy.gpu_checkpoints == 0 and "which holds them" in roomy.why["gpu_checkpoints"]
+    placed = []
+    for gpu_gib in (120, 139.7, 180, 400):
+        levers = plan.levers_for(request, g, seq_len, 1, 1, gpu_gib * 2**30, host, bf16)
+        placed.append(levers.gpu_checkpoints)
+        assert levers.checkpoint_every == 1 and "checkpoint_every" not in levers.why
+        if levers.gpu_checkpoints:  # (0: none fits under 90%, though the run may fit with all on the host)
+            assert fits(estimate(g, seq_len, 1, 1, levers), gpu_gib * 2**30, host, GPU_CHECKPOINT_FRACTION,
+                        host=False)
+        if levers.gpu_checkpoints < 36:
+            more = dataclasses.replace(levers, gpu_checkpoints=levers.gpu_checkpoints + 1)
+            assert not fits(estimate(g, seq_len, 1, 1, more), gpu_gib * 2**30, host, GPU_CHECKPOINT_FRACTION,
+                            host=False)
+    assert 0 < placed[0] < placed[1] < placed[2] < placed[-1] == 36, placed
+    assert "on the GPU" in levers.why["gpu_checkpoints"]
+    # a small host: at 256k a checkpoint per layer no longer fits beside the GPU's; every k-th layer does
+    small = 24 * 2**30
+    segmented = plan.levers_for(request, g, seq_len, 1, 1, 139.7 * 2**30, small, bf16)
+    k = segmented.checkpoint_every
+    assert k > 1 and f"every {k} layers" in segmented.why["checkpoint_every"]
+    assert fits(estimate(g, seq_len, 1, 1, segmented), 139.7 * 2**30, small)
+    fewer = plan.levers_for(dataclasses.replace(request, checkpoint_every=str(k - 1)), g, seq_len, 1, 1,
+                            139.7 * 2**30, small, bf16)
+    assert fewer.checkpoint_every == k - 1 and not fits(estimate(g, seq_len, 1, 1, fewer), 139.7 * 2**30, small)
+
+
+def test_gpu_checkpoints_and_checkpoint_every_as_numbers_and_what_the_planner_prints():
+    """A number is taken as given, `all` is every checkpointed layer, more than the layers is an error naming the
+    flag; without the offload every checkpoint is on the GPU already (0 placed, k 1 under auto); the flags the plan
+    prints make the trainer resolve the same levers."""
+    from ulysses_train.errors import ConfigError
+
+    g = geometry(load_model_config(None, "qwen3-4b"))
+    h200 = DeviceInfo.gpu(GPU_GIB, HOST_GIB, local_ranks=1)
+    offload = LeverRequest(offload_activations=True)
+    five = resolve_levers(dataclasses.replace(offload, gpu_checkpoints="5", checkpoint_every="3"), g, 65536, 2, h200)
+    assert (five.gpu_checkpoints, five.checkpoint_every) == (5, 3)
+    assert "--gpu_checkpoints 5 --checkpoint_every 3" in five.flags()
+    assert resolve_levers(dataclasses.replace(offload, gpu_checkpoints="all", checkpoint_layers="20"), g, 65536, 2,
+                          h200).gpu_checkpoints == 20
+    with pytest.raises(ConfigError, match="--gpu_checkpoints must be auto, all or a number from 0 to 36"):
+        resolve_levers(dataclasses.replace(offload, gpu_checkpoints="37"), g, 65536, 2, h200)
+    with pytest.raises(ConfigError, match="--checkpoint_every must be auto, all or a number from 1 to 36"):
+        resolve_levers(LeverRequest(checkpoint_every="0"), g, 65536, 2, h200)
+    plain = resolve_levers(LeverRequest(), g, 65536, 2, h200, fits=lambda lv, *a, **k: False)
+    assert (plain.gpu_checkpoints, plain.checkpoint_every) == (0, 1)  # nothing to place, no segments without offload
+    every = resolve_levers(LeverRequest(checkpoint_every="2"), g, 65536, 2, h200)
+    assert every.checkpoint_every == 2 and "--checkpoint_every 2" in every.flags()
+    gpu, host = GPU_GIB * 2**30, 80 * 2**30  # a host that holds 256k's checkpoints, not 512k's
+    for seq_len in (262144, 524288):
+        planned = plan.levers_for(offload, g, seq_len, 1, 1, gpu, host)
+        base = ["--model_config", "qwen3-4b", "--seq_len", str(seq_len), "--offload_activations"]
+        trainer = _trainer_side(base, 1, 1, host_gib=80)
+        assert trainer == planned and trainer.why == planned.why, seq_len
+        assert (planned.gpu_checkpoints > 0) == (seq_len == 524288), (seq_len, planned.why)
+        assert _trainer_side(base + planned.flags().split(), 1, 1, host_gib=80) == planned

@@ -80,15 +80,19 @@ def test_calibrate_measures_this_cpu(tmp_path, capsys):
 
 
 def _brute_force(c, machine, constants):
-    """Every SP size, micro-batch, lever and number of checkpointed layers, each evaluated; the fastest that fits."""
-    from ulysses_train.tools.plan_command import candidates, evaluate
+    """Every SP size, micro-batch, lever and number of checkpointed layers, each evaluated; the fastest that fits.
+    Where the checkpoints go (--gpu_checkpoints auto) is placed on the same estimate as --fastest's."""
+    from ulysses_train.levers.memory import fits_on
+    from ulysses_train.tools.plan_command import _estimate_settings, candidates, evaluate
 
     best = None
     for sp, micro, request, choices in candidates(c, machine):
+        room = fits_on(c.g, c.cfg.data.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
+                       micro, c.act_bytes, **_estimate_settings(c, sp))
         for n in range(c.g["layers"] + 1):
             explicit = dataclasses.replace(request, checkpoint_layers=str(n))
             levers = resolve_levers(explicit, c.g, micro * c.cfg.data.seq_len // sp, c.act_bytes, machine.device(),
-                                    choices)
+                                    choices, room)
             plan = evaluate(c, machine, constants, sp, levers, micro)
             if plan.fits and (best is None or plan.per_sequence < best.per_sequence):
                 best = plan
@@ -338,3 +342,28 @@ def test_the_time_model_against_every_measured_step(tmp_path):
     assert len(sft) >= 35 and any(label.startswith("step") for _, label in sft), sorted(sft)
     assert all(abs(e) < 0.03 for e in sft.values()), {k: e for k, e in sft.items() if abs(e) >= 0.03}
     assert len(preference) >= 3 and all(abs(e) < 0.03 for e in preference.values()), preference
+
+
+def test_checkpoints_on_the_gpu_copy_nothing_and_segments_cost_a_forward_per_regenerating_layer():
+    """`--gpu_checkpoints g`: only the host's layers copy (out and back), so the overlapped copies fall by the GPU's
+    share; `--checkpoint_every k`: each layer but the last of a segment runs its forward once more in the backward,
+    attention included (what checkpointing adds over none, once more per regenerating layer); 4 layers in segments
+    of 2 regenerate 2."""
+    from transformers import AutoConfig
+
+    from tests.models import TINY
+
+    g = geometry(AutoConfig.for_model("qwen3", **{**TINY["qwen3"], "num_hidden_layers": 4}))
+    levers = Levers(keep_attention=False, offload_activations=True)
+    host_all = step_time(Run(g, 1024, 2, 2, levers), ROUND)
+    split = step_time(Run(g, 1024, 2, 2, dataclasses.replace(levers, gpu_checkpoints=3)), ROUND)
+    assert split["overlapped"]["host copies"] == pytest.approx(host_all["overlapped"]["host copies"] / 4)
+    off = step_time(Run(g, 1024, 2, 2, Levers(checkpointing=False)), ROUND)["parts"]
+    every = step_time(Run(g, 1024, 2, 2, Levers(keep_attention=False)), ROUND)["parts"]
+    pairs = step_time(Run(g, 1024, 2, 2, Levers(keep_attention=False, checkpoint_every=2)), ROUND)["parts"]
+    for part in ("matmul", "attention", "elementwise", "all-to-all"):
+        forward = every[part] - off[part]  # the recompute: one forward of every layer
+        assert pairs[part] - every[part] == pytest.approx(forward / 2), part
+    segment = step_time(Run(g, 1024, 2, 2, dataclasses.replace(levers, checkpoint_every=2)), ROUND)
+    assert segment["overlapped"]["host copies"] == pytest.approx(host_all["overlapped"]["host copies"] / 2)
+    assert segment["total"] > host_all["total"]

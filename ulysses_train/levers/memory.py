@@ -3,9 +3,10 @@
 the same choice from the same numbers.
 
 Per GPU and for the host it estimates model states (ZeRO stage, precision of the optimizer states, CPU offload),
-the saved layer checkpoints (on the GPU or offloaded), kept attention outputs, the working set of the layer being
-recomputed (attention, MLP tiled or not), the loss, the all-to-all buffers and, with a ring, the K/V blocks in flight
-and their fp32 gradient accumulators; and what each rank sends per step (all-to-all and ring point-to-point). The
+the saved layer checkpoints (on the GPU, offloaded, or split between them, and one per segment of layers:
+levers/placement.py), kept attention outputs, the working set of the layer being recomputed (attention, MLP tiled or
+not), the loss, the all-to-all buffers and, with a ring, the K/V blocks in flight and their fp32 gradient
+accumulators; and what each rank sends per step (all-to-all and ring point-to-point). The
 formulas are in docs/memory.md with a comparison against the peaks measured on the H200."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 
 from .layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
+from .placement import layer_places
 from .policy import GiB, Levers, checkpoint_bytes, kept_attention_bytes
 
 # a 4-bit weight and its block's fp32 absmax (64 weights a block, no double quantization): --load_in_4bit's base
@@ -165,6 +167,23 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
             "ring point-to-point": layers * (p2p * forwards + p2p_backward)}
 
 
+def checkpoint_split(g: dict, t: int, b: int, levers: Levers) -> dict:
+    """Bytes one rank saves for the recompute, on the GPU and on the host, and how many layers hold each: a
+    checkpoint (the layer's input) where a layer opens a segment, and with kept outputs those of every checkpointed
+    attention layer (a DeltaNet layer keeps nothing), on the host for the layers levers/placement.py puts there."""
+    places = layer_places(levers, g["layers"])
+    one = checkpoint_bytes(g, t, b) / g["layers"]
+    kept_one = kept_attention_bytes(g, t, b) / g["layers"] if levers.keep_attention else 0
+    inputs = [i for i, p in enumerate(places) if p.checkpointed and p.saves_input]
+    kept = [i for i, p in enumerate(places) if p.checkpointed and g["attn_spans"][i].attention] if kept_one else []
+    on_host = {i for i, p in enumerate(places) if p.on_host}
+    host_inputs, host_kept = sum(i in on_host for i in inputs), sum(i in on_host for i in kept)
+    return {"gpu checkpoints": (len(inputs) - host_inputs) * one, "host checkpoints": host_inputs * one,
+            "gpu kept": (len(kept) - host_kept) * kept_one, "host kept": host_kept * kept_one,
+            "checkpoints": len(inputs), "on the host": host_inputs,
+            "gpu layers": sum(p.checkpointed and not p.on_host for p in places)}
+
+
 def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chunk: int = 4096,
              tile_tokens: int = 16384, zero_stage: int = 3, act_bytes: int = 2, ring: int = 1,
              pairs: bool = False) -> dict:
@@ -178,10 +197,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     gpu_states, host_states = model_state_bytes(g, levers, w_div, g_div, o_div)
     gathered = gathered_layer_bytes(g) if zero_stage == 3 else 0
     n_ckpt = min(levers.checkpointed(g["layers"]), g["layers"])
-    checkpoints = checkpoint_bytes(g, t, b) * n_ckpt / g["layers"]  # checkpointed layers save their inputs
-    # and, with kept outputs, those of their attention kernels (a DeltaNet layer keeps nothing)
-    kept = kept_attention_bytes(g, t, b) * attention_layers(g, range(n_ckpt)) / g["layers"] \
-        if levers.keep_attention else 0
+    saved = checkpoint_split(g, t, b, levers)
     # the other layers keep their activations (the last ones: freed by their backward before any recompute starts)
     unchecked = [g["attn_spans"][i] for i in range(n_ckpt, g["layers"])]
     whole_layers = sum(kept_layer_bytes(g, t, b, levers, sp, span) for span in unchecked)
@@ -194,16 +210,20 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # gate, up, act, product + two gradients; the fused SwiGLU keeps no act
     mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
-    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b))
+    # with segments, the inputs the regenerating forward made for the segment's other layers, held at once
+    regenerated = (min(levers.checkpoint_every, max(n_ckpt, 1)) - 1) * t * g["hidden"] * b if levers.checkpointing \
+        else 0
+    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b)) + regenerated
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     if pairs:
         loss = preference_loss_bytes(g, t, loss_chunk, b)
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
     ring_buffers = ring_bytes(g, t, sp, ring, b)
-    on_gpu_ckpt = 0 if levers.offload_activations else checkpoints
-    on_gpu_kept = 0 if levers.offload_activations else kept  # the offload takes the kept outputs too
+    on_gpu_ckpt, on_gpu_kept = saved["gpu checkpoints"], saved["gpu kept"]
     gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
            "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
+    if regenerated:
+        gpu["regenerated inputs"] = regenerated  # part of the layer working set
     if ring > 1:
         gpu["ring buffers"] = ring_buffers
     if whole_layers:
@@ -219,17 +239,16 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
-            "offloaded checkpoints": ((checkpoints if levers.offload_activations else 0) + kept - on_gpu_kept)
-            * ranks_per_host}
-    return {"tokens_per_rank": t, "ring_size": ring, "gpu": gpu, "gpu_total": gpu_total, "host": host,
-            "host_total": sum(host.values()) + 4 * GiB * ranks_per_host,
+            "offloaded checkpoints": (saved["host checkpoints"] + saved["host kept"]) * ranks_per_host}
+    return {"tokens_per_rank": t, "ring_size": ring, "gpu": gpu, "checkpoint_split": saved, "gpu_total": gpu_total,
+            "host": host, "host_total": sum(host.values()) + 4 * GiB * ranks_per_host,
             "sent_per_sequence": communication(g, seq_len, sp, ring, levers, b)}
 
 
-def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95) -> bool:
+def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95, host: bool = True) -> bool:
     """Whether an estimate fits: within `share` of the GPU's memory (the rest for what the estimate misses) and
-    within the host's."""
-    return est["gpu_total"] <= share * gpu_mem and est["host_total"] <= host_mem
+    (unless `host` is False: the GPU alone) within the host's."""
+    return est["gpu_total"] <= share * gpu_mem and (not host or est["host_total"] <= host_mem)
 
 
 def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
@@ -237,7 +256,7 @@ def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem:
     """Whether given levers fit this run on this machine, within a share of the GPU: what `--checkpoint_layers auto`,
     `--attn_recompute auto` and `--tiled_mlp auto` ask (the trainer and the planner pass it to the policy). `run`:
     estimate's other settings of the run (loss_chunk, tile_tokens, ring, pairs)."""
-    def fits_levers(levers: Levers, share: float = 0.95) -> bool:
+    def fits_levers(levers: Levers, share: float = 0.95, host: bool = True) -> bool:
         est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes, **run)
-        return fits(est, gpu_mem, host_mem, share)
+        return fits(est, gpu_mem, host_mem, share, host)
     return fits_levers

@@ -175,6 +175,18 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             back.record_stream(torch.cuda.current_stream())
         return back
 
+    def peek(self, item) -> torch.Tensor:
+        """A device copy of an offloaded tensor that leaves it to its own unpack later: the regenerating forward of
+        a segment (segments.py) reads the segment's checkpoint before the first layer's recompute does. The copy is
+        the one the prefetch makes (started here if it has not been), so the layer's own unpack finds it back."""
+        if isinstance(item, torch.Tensor):
+            return item
+        self._fetch(item)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(item["done_h2d"])
+            item["back"].record_stream(torch.cuda.current_stream())
+        return item["back"]
+
     def reset(self) -> None:
         """After the backward: this step's host buffers are free for the next (the compute stream has waited for
         every copy back, and the next step's copies out are queued after it). Keeps the peak for the metrics."""

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..families import record_of
+from .placement import segment_checkpoints
 
 GiB = 2**30
 LOSS_KINDS = ("fused", "plain")
@@ -55,6 +56,8 @@ class LeverRequest:
     share_master_weights: bool = True
     loss_kernel: str = "auto"
     checkpoint_layers: str = "all"  # all, auto, or a number of layers
+    gpu_checkpoints: str = "auto"  # with the offload: auto, all, or how many checkpoints stay on the GPU
+    checkpoint_every: str = "auto"  # auto, or K: only every K-th layer holds a checkpoint (levers/placement.py)
     adapter_dropout: float = 0.0  # --lora_dropout under --use_peft: random masks a recompute must repeat
 
     @classmethod
@@ -63,7 +66,8 @@ class LeverRequest:
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(levers.lean_norm, levers.lean_norm)
         return cls(levers.loss, levers.gradient_checkpointing, levers.attn_recompute, levers.offload_activations,
                    levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights, levers.loss_kernel,
-                   levers.checkpoint_layers, adapter_dropout)
+                   levers.checkpoint_layers, str(levers.gpu_checkpoints), str(levers.checkpoint_every),
+                   adapter_dropout)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,10 @@ class Levers:
     # with checkpointing: how many decoder layers, the first ones, are checkpointed (the others keep their
     # activations); None: all of them
     checkpoint_layers: Optional[int] = None
+    # with the offload: how many checkpointed layers, the last ones, keep what they save on the GPU (the others' goes
+    # to the host); and with any checkpointing, every how many layers one holds its input (levers/placement.py)
+    gpu_checkpoints: int = 0
+    checkpoint_every: int = 1
     why: dict = field(default_factory=dict, compare=False)  # lever -> the reason of an `auto` decision
 
     def flags(self, ds_config: Optional[str] = None) -> str:
@@ -120,8 +128,11 @@ class Levers:
             flags.append("--loss_kernel ours")
         if not self.checkpointing or self.checkpoint_layers is not None:
             flags.append(f"--checkpoint_layers {self.checkpoint_layers if self.checkpointing else 0}")
-        if self.offload_activations:
-            flags.append("--offload_activations")
+        if self.offload_activations:  # both given as numbers: under auto they depend on the machine's memory
+            flags.append(f"--offload_activations --gpu_checkpoints {self.gpu_checkpoints} --checkpoint_every "
+                         f"{self.checkpoint_every}")
+        elif self.checkpointing and self.checkpoint_every > 1:
+            flags.append(f"--checkpoint_every {self.checkpoint_every}")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
         if not self.fused_kernels:
             flags.append("--fused_kernels off")
@@ -245,9 +256,11 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
     micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
     config fixes (tools/plan.py: ds_config_choices), `fits(levers, share=0.95)` whether given levers fit the
-    device within that share of its memory (the planner's estimate, levers/memory.py: fits_on), for
-    `--checkpoint_layers auto`, and for `--attn_recompute auto` and `--tiled_mlp auto` in the families whose memory
-    estimate is measured."""
+    device within that share of its memory (the planner's estimate, levers/memory.py: fits_on; with `host=False`
+    the GPU alone), for `--checkpoint_layers auto`, `--gpu_checkpoints auto` and `--checkpoint_every auto`, and for
+    `--attn_recompute auto` and `--tiled_mlp auto` in the families whose memory estimate is measured. Where checkpoints go is judged last: the
+    levers that save time (fewer checkpointed layers, kept outputs, a whole MLP) take the GPU's memory first, the
+    checkpoints kept on the GPU what is left (they save host memory and copies, hidden behind compute anyway)."""
     ds_choices = ds_choices or {}
     why = {}
     offload = request.offload_activations and device.type == "cuda"
@@ -275,7 +288,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     levers = _keep_attention_where_the_plan_fits(levers, request, device, room)
     if request.checkpoint_layers != "auto":  # after the kept outputs, which save more where both do not fit
         levers = _untile_where_the_plan_fits(levers, request, device, room)
-    return levers
+    return segment_checkpoints(levers, request.checkpoint_every, request.gpu_checkpoints, g["layers"],
+                               device.type == "cuda", fits)
 
 
 def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,

@@ -4,7 +4,7 @@ modules it expects to patch, and the lever and flag that ask for it.
 | patch | replaces | expects |
 |---|---|---|
 | loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying (a LoRA'd head: the base layer's, and the forward of PEFT's layer around it by `lora_head_forward`) | the output embedding |
-| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours (`--checkpoint_layers N`: the layers after the first N are not checkpointed) | every decoder layer |
+| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours, one per layer with its place (`--checkpoint_layers N`: the layers after the first N are not checkpointed; `--gpu_checkpoints`: which offload; `--checkpoint_every`: its segment) | every decoder layer |
 | RMSNorm | the forward of each norm computing Llama's, T5's or the zero-centred RMSNorm, by the lean (or fused) one in the same arithmetic | every `*RMSNorm` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
 | gated MLP | the forward of each MLP computing down(act(gate) * up) with silu or tanh GELU, by the fused product | every dense `*.mlp` |
@@ -39,6 +39,8 @@ from ..levers.fused_kernels import (GatedMulFunction, RotaryFunction, fused_norm
 from ..levers.lean_norm import lean_forward
 from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
+from ..levers.placement import layer_places
+from ..levers.segments import SegmentChain
 from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
 from ..sp.all_to_all import group_size
@@ -91,9 +93,11 @@ def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 40
 
 
 def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Optional[HostOffload],
-                         layers: Optional[int] = None) -> int:
+                         layers: Optional[int] = None, gpu_checkpoints: int = 0, every: int = 1) -> int:
     """transformers' gradient checkpointing, with our checkpoint function on every layer that has one; with `layers`
-    only the first that many decoder layers are checkpointed and the others keep their activations.
+    only the first that many decoder layers are checkpointed and the others keep their activations. With `offload`
+    the last `gpu_checkpoints` checkpointed layers keep what they save on the GPU, the others offload it; `every`:
+    segments of that many layers share a checkpoint (levers/placement.py says why, and which layers).
 
     Why the first: in the backward the last layers run first, so the uncheckpointed ones free their activations
     before any recompute begins (the recompute's working set never adds to them), and the activations that would
@@ -106,9 +110,19 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     fn, patched = make_checkpoint_fn(keep_attention, offload), 0
+    decoder = _decoder_layers(model)
+    n = len(decoder) if layers is None else min(layers, len(decoder))
+    levers = Levers(checkpoint_layers=n, offload_activations=offload is not None, gpu_checkpoints=gpu_checkpoints,
+                    checkpoint_every=every)
+    chain, own = SegmentChain(), {}
+    for i, (layer, place) in enumerate(zip(decoder, layer_places(levers, len(decoder)))):
+        if place.checkpointed:
+            last = i % every == every - 1 or i == n - 1
+            own[id(layer)] = make_checkpoint_fn(keep_attention, offload if place.on_host else None,
+                                                (chain, i % every, last) if every > 1 else None)
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = fn
+            module._gradient_checkpointing_func = own.get(id(module), fn)
             patched += isinstance(module, GradientCheckpointingLayer)  # the layers; the backbone has the flag too
     if layers is not None:
         for layer in _decoder_layers(model)[layers:]:
@@ -317,7 +331,8 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
     if levers.loss_kernel == "liger":
         levers = check_liger_loss(levers, request, device, dtype)
     steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload,
-                                                             levers.checkpoint_layers)),
+                                                             levers.checkpoint_layers, levers.gpu_checkpoints,
+                                                             levers.checkpoint_every)),
              ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size,
                                                          levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),

@@ -33,15 +33,22 @@ from ..train.config.ds_config import lever_choices
 from ..train.config.ds_file import load_ds_config
 from .plan_command import launch_command, main as plan_command_main
 
-# cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices)
+# cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices).
+# With the offload the checkpoints the GPU holds are placed by --gpu_checkpoints auto on every rung; segments
+# (--checkpoint_every auto: a layer forward more per extra layer of a segment) come only after every other lever
+# but the optimizer's offload, which would move 18 bytes a parameter onto a host that is already full
+_OFFLOAD = dict(offload_activations=True, checkpoint_every="1")
 LEVER_LADDER = [
     (LeverRequest(attn_recompute="never", tiled_mlp="off"), {}),  # kept attention: fastest
-    (LeverRequest(attn_recompute="never", tiled_mlp="off", offload_activations=True), {}),  # copies overlap compute
-    (LeverRequest(attn_recompute="never", tiled_mlp="on", offload_activations=True), {}),  # one more MLP forward
-    (LeverRequest(attn_recompute="never", tiled_mlp="on", offload_activations=True),
+    (LeverRequest(attn_recompute="never", tiled_mlp="off", **_OFFLOAD), {}),  # copies overlap compute
+    (LeverRequest(attn_recompute="never", tiled_mlp="on", **_OFFLOAD), {}),  # one more MLP forward
+    (LeverRequest(attn_recompute="never", tiled_mlp="on", **_OFFLOAD),
      {"bf16_states": True}),  # TRL's precision for optimizer states
-    (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True),
+    (LeverRequest(attn_recompute="always", tiled_mlp="on", **_OFFLOAD),
      {"bf16_states": True}),  # ~15% slower
+    (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True),
+     {"bf16_states": True}),  # checkpoints every K layers
+    (LeverRequest(attn_recompute="always", tiled_mlp="on", **_OFFLOAD), {"offload_optimizer": True}),
     (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True), {"offload_optimizer": True}),
 ]
 
@@ -183,10 +190,24 @@ LABELS = {
     "total (peak)": "the most in use at once (the loss and the layer working set never overlap)",
     "optimizer offload": "optimizer states moved to the host by the DeepSpeed JSON (offload_optimizer)",
     "offloaded checkpoints": "checkpoints and kept attention moved to the host (--offload_activations)",
+    "regenerated inputs": "a segment's layer inputs, regenerated at once in the backward (--checkpoint_every)",
     "total": "with 4 GiB per rank for the process itself",
     "all-to-all": "Ulysses' all-to-all traffic of one sequence, every layer, forward and backward",
     "ring point-to-point": "the ring's K/V sends of one sequence (none without a ring)",
 }
+
+
+def checkpoint_line(est: dict, levers: Levers, layers: int) -> str:
+    """Where the plan's checkpoints are: how many, on the GPU and on the host, and the segments
+    (levers/placement.py)."""
+    split, n = est["checkpoint_split"], levers.checkpointed(layers)
+    if not n:
+        return "checkpoints: none (no layer checkpointed)"
+    every = f", one every {levers.checkpoint_every} layers" if levers.checkpoint_every > 1 else ""
+    gpu, host = split["gpu checkpoints"] + split["gpu kept"], split["host checkpoints"] + split["host kept"]
+    return (f"checkpoints: {split['checkpoints']} for {n} checkpointed layers{every}; the last {split['gpu layers']} "
+            f"layers' on the GPU ({gpu / GiB:.1f} GiB), {n - split['gpu layers']} layers' on the host "
+            f"({host / GiB:.1f} GiB per rank)")
 
 
 def _table(rows, unit: str = "GiB") -> str:
@@ -357,6 +378,7 @@ def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Opti
     print(f"fits with --sp_size {sp}{ring_flag(est['ring_size'])} {levers.flags(a.ds_config)}  "
           f"({est['tokens_per_rank']:,} tokens per rank)")
     print(predicted_time(g, a.seq_len, a.gpus, sp, levers, ds_choices, a.constants))
+    print(checkpoint_line(est, levers, g["layers"]))
     print("per GPU:")
     print(_table(_gpu_rows(est, levers) + [("CUDA overhead", CUDA_OVERHEAD), ("total (peak)", est["gpu_total"])]))
     print(f"  of {a.gpu_mem_gib:.0f} GiB\nper host:")

@@ -42,6 +42,7 @@ from typing import Optional
 
 from ..levers.policy import Levers
 from ..levers.memory import NF4_BYTES
+from ..levers.placement import LayerPlace, layer_places
 from ..model.geometry import LayerShape, Span
 
 KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
@@ -436,10 +437,12 @@ def _lora_seconds(run: Run, c: Constants, t: int) -> tuple[float, float]:
     return t * (lin + 3 * lout) * b / hbm + flops + experts, t * (4 * lin + 2 * lout) * b / hbm + 2 * flops + experts
 
 
-def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dict:
+def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place: Optional[LayerPlace] = None) -> dict:
     """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
-    the overlapped copies and collectives."""
+    the overlapped copies and collectives; `place` (levers/placement.py): where its checkpoint is, and whether it
+    runs a regenerating forward (default: every checkpointed layer saves its input, offloaded with the offload)."""
     g, lv, b, p = run.g, run.levers, run.act_bytes, _pass(run, c, shape)
+    place = place or LayerPlace(checkpointed, on_host=lv.offload_activations and checkpointed)
     t = run.micro * math.ceil(run.seq_len / run.sp)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
     keep = lv.keep_attention and shape.span.attention  # only attention kernels' outputs are kept
@@ -449,11 +452,7 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dic
                                                                              else 0)
     # overlapped: the offload's copies of a checkpointed layer's input and kept outputs (out in the forward, back in
     # the backward); ZeRO-3's gathers (forward, recompute, backward) and the gradients' reduce-scatter
-    host = 0.0
-    if lv.offload_activations and checkpointed:
-        per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
-        saved = t * g["hidden"] * b + (t * (shape.attn_width * b + shape.heads * 4) if keep else 0)
-        host = saved / per_gpu
+    host = _host_copy_seconds(run, c, shape, place, keep)
     share = 2 * shape.params * (run.gpus - 1) / run.gpus / (_collective_gb_s(run.gpus, c) * 1e9)
     gathered, reduced = _zero3_shares(g)
     gather = share * gathered if run.zero_stage == 3 else 0.0
@@ -466,7 +465,43 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool) -> dic
             "all-to-all": p.a2a * (3 if checkpointed else 2),
             "forward": max(forward, host, gather),
             "backward": max(recompute + backward, host, gather * (2 if checkpointed else 1) + reduce),
-            "host copies": 2 * host, "zero-3": gather * (3 if checkpointed else 2) + reduce}
+            "host copies": 2 * host, "zero-3": gather * (3 if checkpointed else 2) + reduce,
+            **({"regenerate": _regenerate_seconds(p)} if place.regenerates else {})}
+
+
+def _host_copy_seconds(run: Run, c: Constants, shape: LayerShape, place: LayerPlace, keep: bool) -> float:
+    """Seconds of one direction of a layer's offload copies (PCIe per GPU, or its share of the host's bandwidth):
+    its input where it holds a checkpoint, and its kept attention outputs; 0 for a layer whose checkpoint stays on
+    the GPU (`--gpu_checkpoints`). A segment's first layer on the host has its input brought back for the
+    regenerating forward by the same prefetch that brings it back for its own recompute: no second copy."""
+    if not (place.checkpointed and place.on_host):
+        return 0.0
+    g, b = run.g, run.act_bytes
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
+    saved = (t * g["hidden"] * b if place.saves_input else 0) + (t * (shape.attn_width * b + shape.heads * 4)
+                                                                 if keep else 0)
+    return saved / per_gpu
+
+
+def _regenerate_seconds(p: _Pass) -> float:
+    """The forward a layer runs once more in the backward to regenerate the next layer's input in its segment
+    (`--checkpoint_every`): the whole forward, the attention kernel included (it runs without a gradient and
+    without the kept outputs), on the compute stream."""
+    return p.linear_fwd + p.lora_fwd + p.attn_fwd + p.elem_fwd + p.a2a
+
+
+def _add_regeneration(layer: dict, p: _Pass, mixer: str) -> dict:
+    """A layer's seconds with its regenerating forward booked: per part, and in the backward's wall time."""
+    if "regenerate" not in layer:
+        return layer
+    out = dict(layer)
+    for part, seconds in (("matmul", p.linear_fwd), (mixer, p.attn_fwd), ("elementwise", p.elem_fwd),
+                          ("all-to-all", p.a2a), ("adapters", p.lora_fwd)):
+        if part in out:
+            out[part] += seconds
+    out["backward"] += out.pop("regenerate")
+    return out
 
 
 def _zero3_shares(g: dict) -> tuple[float, float]:
@@ -507,10 +542,9 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     """Seconds of one optimizer step: `total`, and per part (compute seconds of each kind; `exposed` copies and
     collectives, what they add beyond the compute they overlap)."""
     g, lv = run.g, run.levers
-    n_ckpt = lv.checkpointed(g["layers"])
-    # the first n_ckpt layers are checkpointed; alike layers are counted once
-    kinds = Counter((shape, i < n_ckpt) for i, shape in enumerate(g["layer_shapes"]))
-    layers = [(count, _layer(run, c, shape, checkpointed)) for (shape, checkpointed), count in kinds.items()]
+    # the first checkpointed layers (levers/placement.py: where each one's checkpoint is); alike layers counted once
+    kinds = Counter(zip(g["layer_shapes"], layer_places(lv, g["layers"])))
+    layers = [(count, _regenerating_layer(run, c, shape, place)) for (shape, place), count in kinds.items()]
     t = run.micro * math.ceil(run.seq_len / run.sp)
     loss_tflops = c.liger_loss_tflops if lv.loss_kernel == "liger" else c.loss_tflops
     adapters = g.get("adapters")
@@ -541,6 +575,17 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     communication = parts["all-to-all"] + parts["exposed copies and collectives"]
     return {"total": total, "parts": parts, "communication_share": communication / total,
             "overlapped": {k: v * run.accum for k, v in hidden_comm.items()}}
+
+
+def _regenerating_layer(run: Run, c: Constants, shape: LayerShape, place: LayerPlace) -> dict:
+    """`_layer` of a layer in its place, its regenerating forward (if any) booked."""
+    mixer = "attention" if shape.span.attention else "linear attention"
+    layer = _layer(run, c, shape, place.checkpointed, place)
+    if place.regenerates and place.saves_input and place.on_host and run.levers.keep_attention:
+        # with kept outputs the offload's groups are per layer, and the prefetch has not reached the segment's
+        # first input when its regenerating forward asks for it: that copy back is exposed
+        layer["regenerate"] += _host_copy_seconds(run, c, shape, place, False)
+    return _add_regeneration(layer, _pass(run, c, shape), mixer)
 
 
 def forward_time(run: Run, c: Constants = Constants()) -> float:

@@ -316,6 +316,13 @@ class LeverConfig(Settings):
                     "unchanged).")
     offload_activations: bool = _f(False, "Move checkpointed layer inputs to pinned host memory on a side stream, "
                                    "prefetched back one layer ahead of the backward (GPU only).")
+    gpu_checkpoints: str = _f("auto", "With --offload_activations: how many checkpointed layers, the last ones, keep "
+                              "their checkpoints on the GPU (the others' go to the host). auto: as many as the "
+                              "planner's memory estimate fits beside the working set; all; or a number.")
+    checkpoint_every: str = _f("auto", "Only every K-th checkpointed layer keeps its input; the others' are "
+                               "regenerated in the backward by running their segment forward again (K - 1 layer "
+                               "forwards per segment). auto: 1, or with --offload_activations on a GPU the smallest K "
+                               "with which GPU and host hold the checkpoints.")
 
 
 @dataclass
