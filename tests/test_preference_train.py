@@ -314,3 +314,51 @@ def test_pairs_train_dpo_packed_by_default_with_eval_and_trls_metrics(files):
     assert all(f"eval_{k}" in last for k in trl_names) and 0.0 <= last["mean_token_accuracy"] <= 1.0
     assert last["entropy"] > 0 and last["logits/chosen"] != last["logits/rejected"]
     assert two["same"].startswith(f"--dataset {same}: every one of its 3 pair(s) has the same chosen and rejected")
+
+
+def _stopped_reference_pass(rank, world, argv, tmp):
+    """The reference pass stopped after its 5th micro-batch (an injected failure on every rank), then the same run
+    started again; and the same run in a fresh cache, whole. Returns what each computed and the logs."""
+    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.run.trainer import Trainer
+
+    def build(cache, fault=None):
+        os.environ.pop("ULYSSES_TRAIN_FAULT", None)
+        if fault:
+            os.environ["ULYSSES_TRAIN_FAULT"] = fault
+        cfg, explicit = parse_args(argv + ["--data_cache_dir", os.path.join(tmp, cache), "--output_dir",
+                                           os.path.join(tmp, f"out_{cache}_{fault is not None}")])
+        logged = []
+        trainer = Trainer.__new__(Trainer)
+        trainer.log = lambda message: logged.append(message) if rank == 0 else None
+        try:
+            Trainer.__init__(trainer, cfg, explicit)
+        except RuntimeError as e:
+            return None, [str(e)]
+        finally:
+            os.environ.pop("ULYSSES_TRAIN_FAULT", None)
+        trainer.close()
+        return trainer.reference, logged
+
+    stopped = build("stopped", "raise_in_reference:5")
+    partial = glob.glob(os.path.join(tmp, "stopped", "*", "reference", "*.partial.npz"))
+    held = np.load(partial[0])["done"].sum() if partial and rank == 0 else None
+    resumed = build("stopped")
+    left = glob.glob(os.path.join(tmp, "stopped", "*", "reference", "*.partial.npz"))
+    whole = build("whole")
+    return stopped, held, resumed, left, whole
+
+
+def test_a_stopped_reference_pass_goes_on_from_what_it_streamed_to_the_cache(files, tmp_path):
+    """DPO's reference pass writes what it has computed as it goes (every twentieth of the pass): stopped after 5 of
+    its 24 micro-batches (24 pairs, one a row, SP=2), the cache holds the 4 pairs of its last write (every 2nd
+    micro-batch); the run started again reads them and computes only the rest, and its table equals a whole pass's
+    in a fresh cache, bit for bit; the partial file is gone once the table is written."""
+    argv = ["--method", "dpo", "--dataset", files["pairs"], "--tokenizer", files["tokenizer"], "--chat_template",
+            files["template"], "--seq_len", "128", "--packing", "false", "--steps", "1", "--beta", "0.5"]
+    rank0 = run_distributed(_stopped_reference_pass, 2, argv, str(tmp_path), use_deepspeed=True)[0]
+    (none, error), held, (resumed, logged), left, (whole, _) = rank0
+    assert none is None and "after micro-batch 5 of the reference pass" in error[0]
+    assert held == 4
+    assert any("4 of 24 pairs' log-probs read from" in line and "computing the rest" in line for line in logged)
+    assert np.array_equal(resumed, whole) and not left

@@ -15,6 +15,11 @@ like change the forward) and --max_length / --max_prompt_length / --truncation (
 store's folder already keys the data, tokenizer and template. A second run on the same data and weights (another
 SP size, --packing or not, a resume) reads the file; any other weights compute their own.
 
+The pass streams into the cache: every twentieth of its micro-batches (PARTIAL_FLUSHES), rank 0 writes what the
+ranks have computed so far to `<key>.partial.npz` (the values and which pairs are done), so a pass stopped by a
+crash, a kill or a preemption goes on from there when the run starts again (any SP or DP layout: the pairs done
+are recorded, not the micro-batches), and the finished table replaces it.
+
 Each checkpoint keeps the tables too (`<checkpoint>/reference/<key>.npy`): a resume whose data cache is gone (another
 machine, a cleaned cache) reads them there, under the same key, instead of computing them again.
 
@@ -45,6 +50,7 @@ import torch.distributed as dist
 from ...data.pair_packing import preference_batch
 from ...levers.preference_loss import PreferenceObjective
 from .pairs import shard_segments
+from ..process.faults import inject_in_reference
 from ..step.shards import shard_batch
 
 REFERENCE_FORMAT = 1  # bump when what is computed or how it is keyed changes
@@ -149,7 +155,8 @@ def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = N
         run.reference_origins.append("cache" if found == path else "checkpoint")
         return values
     start = time.perf_counter()
-    values = reference_pass(run, source)
+    partial = os.path.join(folder, f"{key}.partial.npz")
+    values = reference_pass(run, source, _Partial(run, partial, samples.num_pairs))
     seconds = time.perf_counter() - start
     if run.rank == 0:
         os.makedirs(folder, exist_ok=True)
@@ -159,12 +166,52 @@ def _cached_or_computed(run, source, weights: str, checkpoint: Optional[str] = N
         with open(os.path.join(folder, f"{key}.json"), "w") as f:
             json.dump({**settings, "seconds": seconds, "rows": len(samples)}, f, indent=1)
         os.replace(tmp + ".npy", path)  # atomic: a reader sees the whole file or none
+        if os.path.exists(partial):
+            os.remove(partial)
     dist.barrier()
     run.log(f"reference: log-probs of {int((~samples.identical).sum()):,} pairs in {len(samples):,} rows computed in "
             f"{seconds:.1f} s (forward under SP), cached in {path}")
     run.reference_tables[key] = values
     run.reference_origins.append("computed")
     return values
+
+
+PARTIAL_FLUSHES = 20  # the pass writes what it has computed this many times (and once it is done)
+
+
+class _Partial:
+    """What an unfinished pass computed, in `<key>.partial.npz` (rank 0 writes it, atomically; every rank reads
+    rank 0's): each pair's values and whether it is done. Every rank starts from the pairs done; the values
+    themselves start on rank 0 only, so that the pass's all-reduce (a sum over the ranks) counts them once."""
+
+    def __init__(self, run, path: str, pairs: int):
+        self.run, self.path, self.pairs = run, path, pairs
+        loaded = [self._load() if run.rank == 0 else None]
+        dist.broadcast_object_list(loaded, src=0)
+        self.values, self.done = loaded[0] or (np.zeros((pairs, 2)), np.zeros(pairs, dtype=bool))
+        if self.done.any():
+            run.log(f"reference: {int(self.done.sum()):,} of {pairs:,} pairs' log-probs read from {path} (a pass "
+                    f"that stopped); computing the rest")
+
+    def _load(self):
+        try:
+            with np.load(self.path) as f:
+                values, done = f["values"], f["done"]
+        except (OSError, ValueError, KeyError, EOFError):
+            return None
+        ok = values.shape == (self.pairs, 2) and done.shape == (self.pairs,) and np.isfinite(values).all()
+        return (values.astype(np.float64), done.astype(bool)) if ok else None
+
+    def write(self, values: torch.Tensor, done: torch.Tensor) -> None:
+        """Rank 0 writes the all-reduced `values` (pairs, 2) and `done` (pairs,) of every rank (collective)."""
+        values, done = values.clone(), done.clone()
+        dist.all_reduce(values)
+        dist.all_reduce(done)
+        if self.run.rank == 0:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{uuid.uuid4().hex}.tmp.npz"
+            np.savez(tmp, values=values.cpu().numpy(), done=done.cpu().numpy() > 0)
+            os.replace(tmp, self.path)
 
 
 class _Progress:
@@ -195,30 +242,45 @@ class _Progress:
             self.bar.close()
 
 
-def reference_pass(run, source) -> np.ndarray:
-    """The forward pass over every row of `source` (no gradient); each DP group takes every dp-th micro-batch.
-    Micro-batches past the last row repeat it and are not counted, so every rank takes part in every collective."""
+def reference_pass(run, source, partial: Optional[_Partial] = None) -> np.ndarray:
+    """The forward pass over every row of `source` (no gradient) whose pairs `partial` does not hold yet; each DP
+    group takes every dp-th micro-batch. Micro-batches past the last row repeat it and are not counted, so every
+    rank takes part in every collective. Writes `partial` every 1/PARTIAL_FLUSHES of the pass."""
     g, micro, samples = run.groups, run.micro, source.samples
     values = torch.zeros(samples.num_pairs, 2, dtype=torch.float64, device=run.device)
-    rows = len(samples)
-    firsts = range(0, rows, micro * g.dp_size)
+    done = torch.zeros(samples.num_pairs, dtype=torch.float64, device=run.device)
+    rows = list(range(len(samples)))
+    if partial is not None:
+        rows = [i for i in rows if not partial.done[samples.pairs(i)].all()]
+        kept = partial.done.copy()  # a row computed again (another packing) brings all its pairs' values anew
+        kept[[p for i in rows for p in samples.pairs(i)]] = False
+        if run.rank == 0:
+            done += torch.from_numpy(kept.astype(np.float64)).to(run.device)
+            values += torch.from_numpy(partial.values * kept[:, None]).to(run.device)
+    firsts = range(0, len(rows), micro * g.dp_size)
+    flush = max(1, -(-len(firsts) // PARTIAL_FLUSHES))
     progress = _Progress(run, len(firsts))
     run.engine.eval()
     try:
         with torch.no_grad(), reference_context(run.module.model):
-            for first in firsts:
+            for n, first in enumerate(firsts, 1):
                 indices = [first + g.dp_rank * micro + r for r in range(micro)]
-                picked = [source.get(min(i, rows - 1)) for i in indices]
+                picked = [source.get(rows[min(i, len(rows) - 1)]) for i in indices]
                 batch = preference_batch(picked)
                 shard = shard_batch(run, batch)
                 objective = PreferenceObjective(None, shard_segments(run, batch), batch["scored"],
                                                 sp_group=g.sp_group if g.sp_size > 1 else None)
                 run.engine(shard["input_ids"], shard["position_ids"], shard["labels"],
                            torch.ones((), device=run.device), objective=objective)
-                counted = torch.tensor([i < rows for i, row in zip(indices, picked) for _ in row.pairs])
+                counted = torch.tensor([i < len(rows) for i, row in zip(indices, picked) for _ in row.pairs])
                 if g.sp_rank == 0 and counted.any():  # every rank of an SP group holds the same sums: add them once
-                    values[batch["pair_ids"][counted].to(run.device)] = objective.sums[counted.to(run.device)]
+                    ids = batch["pair_ids"][counted].to(run.device)
+                    values[ids] = objective.sums[counted.to(run.device)]
+                    done[ids] = 1.0
                 progress.update()
+                if partial is not None and n % flush == 0 and n < len(firsts):
+                    partial.write(values, done)
+                inject_in_reference(n)
     finally:
         progress.close()
         run.engine.train()

@@ -12,7 +12,8 @@ training starts there is nothing to save: the signal interrupts the start-up (`I
 `ULYSSES_TRAIN_FAULT` injects a fault, for tests and drills only: `raise:STEP:RANK` raises on one rank at the
 start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs rank 0 at the start of a step,
 `kill_in_save:STEP` SIGKILLs rank 0 in the middle of that step's checkpoint, `enospc_in_save:STEP` fails that
-save as a full disk would. Three hold a run where a test sends a signal, so that the outcome does not depend on how
+save as a full disk would, `raise_in_reference:N` raises on every rank after the N-th micro-batch of DPO's
+reference pass (the pass stopped part way, as a crash would). Three hold a run where a test sends a signal, so that the outcome does not depend on how
 fast the run is: `hold_at:STEP` waits at the start of that step, on every rank, until the rank is asked to stop
 (SIGTERM, Ctrl-C, the launcher gone), then goes on; `busy_at:STEP` waits there as a rank inside a long kernel
 does, its signal handlers held back (SIGINT and SIGTERM blocked in the main thread), until the watchdog asks it to
@@ -185,3 +186,11 @@ def inject_in_save(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault[0] == "enospc_in_save":
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+def inject_in_reference(batches: int) -> None:
+    """Called after each micro-batch of the reference pass (train/preference/reference_logps.py), on every rank."""
+    fault = _fault()
+    if fault[:1] == ["raise_in_reference"] and int(fault[1]) == batches:
+        raise RuntimeError(f"injected failure after micro-batch {batches} of the reference pass "
+                           f"(ULYSSES_TRAIN_FAULT)")
