@@ -208,7 +208,8 @@ def test_ds_configs_are_valid_json():
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b"])
 def test_presets_build_configs_with_the_published_shapes(preset):
-    from ulysses_train.model.build import attention_heads, load_model_config
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.sp.layout import attention_heads
     from ulysses_train.tools.plan import geometry
 
     config = load_model_config(None, preset)

@@ -84,7 +84,8 @@ def test_the_trainer_and_the_planner_refuse_an_unsupported_model_with_exit_2(tmp
 def test_the_widest_head_is_read_from_every_layer():
     """Gemma 4's global layers set their own head_dim (per_layer_config) or global_head_dim: the kernel choice
     reads the widest (FA4 takes up to 256 on SM90; with 512 it crashed the defaults on the GPU)."""
-    from ulysses_train.model.build import PRESETS, widest_head_dim
+    from ulysses_train.model.build import PRESETS
+    from ulysses_train.sp.layout import widest_head_dim
 
     gemma4 = AutoConfig.for_model("gemma4_text", num_hidden_layers=2, layer_types=["sliding_attention",
                                                                                    "full_attention"],

@@ -259,9 +259,8 @@ def test_planner_proposes_a_ring_where_heads_forbid_ulysses(tmp_path, capsys):
 
     config = qwen2_28_heads_config()
     config.save_pretrained(tmp_path)
-    g = geometry(config)
-    assert sp_plans(g, 8) == [(1, 1), (2, 1), (4, 1), (8, 2)]
-    assert sp_plans(g, 8, ring=1) == [(1, 1), (2, 1), (4, 1)] and sp_plans(g, 8, 8, 4) == [(8, 4)]
+    assert sp_plans(config, 8) == [(1, 1), (2, 1), (4, 1), (8, 2)]
+    assert sp_plans(config, 8, ring=1) == [(1, 1), (2, 1), (4, 1)] and sp_plans(config, 8, 8, 4) == [(8, 4)]
     assert main(["--model_config", str(tmp_path / "config.json"), "--seq_len", "65536", "--gpus", "8",
                  "--sp_size", "8"]) == 0
     out = capsys.readouterr().out

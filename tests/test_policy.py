@@ -5,7 +5,6 @@ the trainer derives from those flags (its DeepSpeed config, micro-batch, tokens 
 import dataclasses
 
 import pytest
-import torch
 
 from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
 from ulysses_train.model.build import load_model_config
@@ -15,7 +14,7 @@ from ulysses_train.tools import plan
 from ulysses_train.train.config.train_config import parse_args
 from ulysses_train.train.config.ds_config import resolve_ds_config
 from ulysses_train.train.config.ds_file import load_ds_config
-from ulysses_train.train.run.trainer import run_levers
+from ulysses_train.train.run.trainer import run_layout, run_levers
 
 GPU_GIB, HOST_GIB = 139.7, 125.0
 
@@ -26,7 +25,9 @@ def _trainer_side(argv: list[str], gpus: int, sp: int, host_gib: float = HOST_GI
     ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, gpus // sp, sp, config.hidden_size,
                            use_bf16=True, random_init=True)
     device = DeviceInfo.gpu(GPU_GIB, host_gib, local_ranks=min(gpus, 8))
-    return run_levers(cfg, config, ds, sp, torch.bfloat16, device)
+    layout = run_layout(cfg, config, gpus, "cuda", (9, 0), local_ranks=lambda: min(gpus, 8))
+    assert layout.sp_size == sp and layout.bf16
+    return run_levers(cfg, config, ds, layout, device)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b"])

@@ -158,7 +158,8 @@ def model_checks(path: str):
     it, set the rotary positions, check the heads against one process, count its geometry, check every layer is
     supported. Its message if it refuses."""
     from ulysses_train.levers.rope import configure_rope
-    from ulysses_train.model.build import attention_heads, load_model_config
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.sp.layout import attention_heads
     from ulysses_train.sp import dims
     from ulysses_train.sp.support import check_support
     from ulysses_train.model.geometry import geometry

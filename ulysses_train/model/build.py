@@ -15,7 +15,6 @@ from typing import Callable, Optional
 import torch
 
 from ..sp.attention import ATTN_NAME
-from ..sp.support import layer_mixers
 from .buffers import restore_fp32_buffers
 from ..errors import ConfigError
 from ..paths import local_or_hub, looks_like_hub_id
@@ -254,23 +253,6 @@ def quantized_loading(quantization) -> dict:
     device; a device_map given here would be refused while ZeRO-3's HfDeepSpeedConfig lives. deepspeed.initialize
     then partitions the NF4 words like any parameter."""
     return {} if quantization is None else {"quantization_config": quantization}
-
-
-def attention_heads(config) -> tuple[int, int]:
-    """Query and KV heads for the parallel sizes (sp/dims.py); where layers differ (Gemma 4's global layers), the
-    fewest KV heads any attention layer has. The support check then checks every layer's own (sp/support.py)."""
-    q = config.num_attention_heads
-    kv = [m.kv_heads for m in layer_mixers(config) if m.attention]
-    return q, min(kv) if kv else q
-
-
-def widest_head_dim(config) -> int:
-    """The widest attention head of any layer (Gemma 4's global layers: `global_head_dim`, or a per-layer
-    `head_dim`), for the kernel choice (sp/kernels.py: resolve_kernel)."""
-    per_layer = getattr(config, "per_layer_config", None)
-    views = [config] if per_layer is None else [per_layer[i] for i in range(config.num_hidden_layers)]
-    return max([getattr(v, "head_dim", None) or config.hidden_size // config.num_attention_heads for v in views]
-               + [getattr(config, "global_head_dim", None) or 0])
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Parallel sizes, validated in one place: the trainer, the process groups and the planner all call `validate`.
+"""Parallel sizes, validated in one place: `validate`, which layout.py calls for the trainer and the planner.
 
 Layout: SP groups are blocks of consecutive ranks (`[0..sp)`, `[sp..2sp)`, ...) so that, with ranks numbered node
 by node as every launcher does, an SP group stays inside a node when it fits in one. The data-parallel groups are

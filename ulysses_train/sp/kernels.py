@@ -114,22 +114,26 @@ FLASH_MAX_HEAD_DIM = 256  # FA2's and FA4's (on SM90) widest head; Gemma 4's glo
 
 
 def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
-                   capability: tuple[int, int] = (0, 0), head_dim: int = 0) -> str:
+                   capability: tuple[int, int] = (0, 0), head_dim: int = 0, assume_installed: bool = False) -> str:
     """`auto` is FlashAttention-4 where it runs (installed, a CUDA GPU of compute capability 9.0 or later, bf16 or
     fp16), else SDPA (cuDNN on Hopper): FA4 gives the faster step in the trainer and the faster kernel alone
     (docs/benchmarks.md, "Attention kernels"), and where every attention layer's heads (`head_dim`, the widest)
-    fit it. FA4 goes through our registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
-    cannot run here, is an error naming the flag."""
+    fit it. FA4 goes through our registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that
+    is not installed, or cannot run here, is an error naming the flag. `assume_installed`: the packages are taken as
+    installed (a planned machine, not this one)."""
+    def installed(kernel: str) -> bool:
+        return assume_installed or kernel_available(kernel)
+
     if name == "auto":
         fa4_runs = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
-                    and head_dim <= FLASH_MAX_HEAD_DIM and kernel_available("flash_attn_4"))
+                    and head_dim <= FLASH_MAX_HEAD_DIM and installed("flash_attn_4"))
         return "flash_attn_4" if fa4_runs else "sdpa"
     if name in ("flash_attn", "flash_attn_4") and head_dim > FLASH_MAX_HEAD_DIM:
         raise ConfigError(f"--attn_kernel {name} takes heads of up to {FLASH_MAX_HEAD_DIM}, and this model has "
                           f"attention heads of {head_dim}: use --attn_kernel sdpa (or auto)")
     if name not in KERNELS:
         raise ConfigError(f"--attn_kernel {name}: choose one of auto, {', '.join(KERNELS)}")
-    if not kernel_available(name):
+    if not installed(name):
         pkg = {"flash_attn": "flash-attn", "flash_attn_4": "flash-attn-4"}[name]
         raise ConfigError(f"--attn_kernel {name} needs the {pkg} package, which is not installed: "
                           f"pip install {pkg}, or use --attn_kernel auto")

@@ -15,8 +15,9 @@ runs under a ring) is its record's (ulysses_train/families/); everything else is
 
 `layer_mixers(config)` reads one `LayerMixer` per decoder layer from the config (its `layer_types`, `sliding_window`,
 `attention_chunk_size`, `no_rope_layers`, softcaps, sinks, per-layer heads); `check_support` applies this run's
-sizes and kernel to them. The trainer, `--verify`, `plan` and `eval_positions` call `check_support`; the attention
-function (attention.py) reads the same table at run time and refuses any argument it was not told about.
+sizes and kernel to them. `resolve_layout` (layout.py) calls `check_support` for the trainer, `--verify`, `plan`,
+the preview and `eval_positions`; the attention function (attention.py) reads the same table at run time and refuses
+any argument it was not told about.
 """
 
 from __future__ import annotations

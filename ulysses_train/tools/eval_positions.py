@@ -144,14 +144,16 @@ def main(argv=None) -> int:
 
     from transformers import AutoConfig
 
-    from ..sp.support import check_support
+    from ..sp.layout import LayoutFlags, Target, resolve_layout
 
     a = parse_args(argv)
     try:
         check_args(a)
-        # every rank shares one sequence (SP over the world): a layer that would not be exact stops it here
-        check_support(AutoConfig.from_pretrained(a.model), int(os.environ.get("WORLD_SIZE", 1)), 1, "sdpa",
-                      "cuda" if torch.cuda.is_available() else "cpu")
+        # every rank shares one sequence (SP over the world, Ulysses alone, SDPA: what evaluate builds), laid out as
+        # the trainer would: heads that do not split, or a layer that would not be exact, stop it here
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        resolve_layout(LayoutFlags(sp_size=world, ring_size=1, attn_kernel="sdpa"), AutoConfig.from_pretrained(a.model),
+                       Target(world, device_type="cuda" if torch.cuda.is_available() else "cpu"))
         tokenizer = load_tokenizer(a.tokenizer, a.model)
         samples = load_samples(a, tokenizer)
         require_targets(a, samples)

@@ -23,11 +23,10 @@ import sys
 from typing import Optional
 
 from ..errors import ConfigError
-from ..families import record_of
 from ..levers.memory import CUDA_OVERHEAD, estimate, fits, fits_on
 from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
 from ..model.geometry import geometry
-from ..sp.dims import check_heads, resolve_ring_size, validate
+from ..sp.layout import Layout, LayoutFlags, Target, layout_or_refusal, resolve_layout
 from ..train.config.train_config import ring_size_number
 from ..train.config.ds_config import lever_choices
 from ..train.config.ds_file import load_ds_config
@@ -89,20 +88,15 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def sp_plans(g: dict, gpus: int, sp: Optional[int] = None, ring: Optional[int] = None) -> list[tuple[int, int]]:
+def sp_plans(config, gpus: int, sp: Optional[int] = None, ring: Optional[int] = None) -> list[tuple[int, int]]:
     """(sp, ring) for each SP size the planner may try (only `sp` if given), smallest first: the ring `ring`, or by
-    default the one --ring_size auto chooses (none where the heads allow a pure Ulysses split)."""
+    default the one --ring_size auto chooses (none where the heads allow a pure Ulysses split); a size whose layout
+    the trainer refuses (the heads, or layers the support check refuses under it: sp/layout.py) is left out."""
     plans = []
-    family = record_of(g.get("model_type"))
     for size in [sp] if sp else _divisors(gpus):  # an SP group divides the GPUs (sp/dims.py)
-        if size > 1 and family is not None and not family.sequence_parallel:
-            continue  # layers the support check refuses under SP (sp/support.py)
-        size_ring = ring or resolve_ring_size("auto", size, g["heads"], g["kv"])
-        try:
-            validate(gpus, size, g["heads"], g["kv"], ring_size=size_ring)
-        except ConfigError:
-            continue
-        plans.append((size, size_ring))
+        layout, _ = layout_or_refusal(LayoutFlags(size, ring), config, Target.planned(gpus))
+        if layout is not None:
+            plans.append((size, layout.ring_size))
     return plans
 
 
@@ -146,12 +140,14 @@ def default_sp_size(gpus: int) -> int:
     return math.gcd(min(gpus, 8), gpus)
 
 
-def default_flags(g: dict, seq_len: int, gpus: int, sp: Optional[int], gpu_mem: float, host_mem: float,
-                  ds_choices: Optional[dict], ring: Optional[int] = None) -> str:
-    """What the trainer does with the default lever flags (and the default --ring_size auto unless `ring` is
-    given), and whether that fits."""
-    sp = sp or default_sp_size(gpus)
-    ring = ring or resolve_ring_size("auto", sp, g["heads"], g["kv"])
+def default_flags(g: dict, seq_len: int, gpus: int, layout: Optional[Layout], gpu_mem: float, host_mem: float,
+                  ds_choices: Optional[dict], refusal: Optional[str] = None) -> str:
+    """What the trainer does with the default lever flags at `layout` (the command line's --sp_size and
+    --ring_size, by default the node and --ring_size auto), and whether that fits; or, where the trainer refuses
+    that layout, why (`refusal`)."""
+    if layout is None:
+        return f"with the default flags (--sp_size {default_sp_size(gpus)}): the trainer refuses them: {refusal}"
+    sp, ring = layout.sp_size, layout.ring_size
     levers = levers_for(LeverRequest(), g, seq_len, gpus, sp, gpu_mem, host_mem, ds_choices)
     est = estimate(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3), ring=ring)
     verdict = "fits" if fits(est, gpu_mem, host_mem) else "does not fit"
@@ -339,10 +335,14 @@ def _main(argv=None) -> int:
         spec = AdapterSpec(r=a.lora_r, modules_to_save=_names(a.lora_modules_to_save), load_in_4bit=a.load_in_4bit,
                            **parse_target_modules(a.lora_target_modules))
         g["adapters"] = adapter_geometry(config, spec)
-    if a.sp_size:
-        check_heads(a.sp_size, g["heads"], g["kv"],
-                    a.ring_size or resolve_ring_size("auto", a.sp_size, g["heads"], g["kv"]))
-    sizes = sp_plans(g, a.gpus, a.sp_size, a.ring_size)
+    # the layout of the command line's sizes (by default the node's, --ring_size auto) on the planned GPUs: given
+    # sizes the trainer refuses stop the plan with its message; refused default ones are said in the report
+    flags, target = LayoutFlags(a.sp_size, a.ring_size), Target.planned(a.gpus)
+    layout, refusal = (resolve_layout(flags, config, target), None) if a.sp_size else \
+        layout_or_refusal(flags, config, target)
+    sizes = sp_plans(config, a.gpus, a.sp_size, a.ring_size)
+    if not sizes:  # not even --sp_size 1: the trainer's refusal of it
+        resolve_layout(LayoutFlags(1), config, target)
     ds_choices = ds_config_choices(a.ds_config) if a.ds_config else None
     if a.longest:
         a.seq_len = longest_fit(g, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices)
@@ -352,11 +352,11 @@ def _main(argv=None) -> int:
         print(f"longest sequence that fits: {a.seq_len:,} tokens")
     sp, levers, est, tried = plan(g, a.seq_len, a.gpus, sizes, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB,
                                   ds_choices)
-    return _report(a, g, ds_choices, sp, levers, est, tried)
+    return _report(a, g, ds_choices, sp, levers, est, tried, layout, refusal)
 
 
 def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Optional[int], levers: Optional[Levers],
-            est: Optional[dict], tried: list) -> int:
+            est: Optional[dict], tried: list, layout: Optional[Layout], refusal: Optional[str]) -> int:
     """Prints the plan (or why nothing fits) for the command line, as a table or with --json; the exit status."""
     if a.json:
         print(json.dumps({"sp_size": sp, "ring_size": est and est["ring_size"],
@@ -366,8 +366,8 @@ def _report(a: argparse.Namespace, g: dict, ds_choices: Optional[dict], sp: Opti
     trained = (f" ({adapters['trainable'] / 1e6:.1f}M trained: LoRA r {adapters['rank']}"
                + (", 4-bit base" if adapters["quantized"] else "") + ")") if adapters else ""
     print(f"{g['params'] / 1e9:.2f}B params{trained}, {g['layers']} layers, {a.seq_len:,} tokens on {a.gpus} GPU(s)")
-    print(default_flags(g, a.seq_len, a.gpus, a.sp_size, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices,
-                        a.ring_size))
+    print(default_flags(g, a.seq_len, a.gpus, layout, a.gpu_mem_gib * GiB, a.host_mem_gib * GiB, ds_choices,
+                        refusal))
     if sp is None:
         sp_last, lev_last, worst, _ = tried[-1]
         print(f"nothing fits: with every lever and --sp_size {sp_last}, {worst['gpu_total'] / GiB:.1f} GiB per GPU "

@@ -8,8 +8,9 @@ the levers (kept attention, the offload, the tiled MLP, the optimizer on the GPU
 checkpoint and the micro-batch (micro x accumulation held at what the flags give), for the least time per sequence
 among the plans that fit. What it keeps as given: the model, the length, the kernel, the loss, the optimizer states'
 precision (a search never changes what is trained beyond the batch that the SP size's data parallelism implies).
-`auto` kernels are planned as FlashAttention-4 (what the trainer picks on an H100/H200 with flash-attn-4
-installed); give `--attn_kernel sdpa` to plan cuDNN.
+The layout (SP and ring sizes, kernel, support check) is sp/layout.py's, resolved for CUDA GPUs of an H200's
+capability with the kernels installed: `auto` kernels are planned as FlashAttention-4 where the trainer picks it
+there (bf16, heads up to 256 wide); give `--attn_kernel sdpa` to plan cuDNN.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..levers.policy import GiB, DeviceInfo, Levers, resolve_levers
-from ..model.build import attention_heads, load_model_config, widest_head_dim
-from ..sp.kernels import FLASH_MAX_HEAD_DIM
-from ..sp.support import check_support
+from ..model.build import load_model_config
 from ..sp import dims
+from ..sp.layout import Layout, Target, resolve_layout
 from ..levers.memory import estimate, fits, fits_on
 from .preference_plan import pair_documents, preference_step_time, report_lines
 from .time_model import Constants, Run, step_time
@@ -42,6 +42,11 @@ class Machine:
     def device(self) -> DeviceInfo:
         return DeviceInfo.gpu(self.gpu_mem / GiB, self.host_mem / GiB, local_ranks=min(self.gpus, self.gpus_per_node))
 
+    def target(self) -> Target:
+        """The machine as the layout sees it (sp/layout.py): CUDA GPUs of an H200's capability, the kernels
+        installed, whatever this machine has."""
+        return Target.planned(self.gpus, self.gpus_per_node)
+
 
 @dataclass(frozen=True)
 class Command:
@@ -49,16 +54,26 @@ class Command:
 
     cfg: object  # train/config/train_config.py TrainConfig
     g: dict
-    sp: int
+    layout: Layout  # sp/layout.py: the sizes, the kernel, the layers, as the trainer resolves them on the machine
     levers: Levers
-    kernel: str
     micro: int
     accum: int
     zero_stage: int
     act_bytes: int
     ds_choices: dict
     ds_config: Optional[str]  # the --ds_config typed, if one was
-    ring: int = 1  # --ring_size as resolved for `sp`
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp_size
+
+    @property
+    def ring(self) -> int:  # --ring_size as resolved for `sp`
+        return self.layout.ring_size
+
+    @property
+    def kernel(self) -> str:
+        return self.layout.kernel
 
 
 @dataclass(frozen=True)
@@ -75,13 +90,6 @@ class Plan:
     per_sequence: float  # step seconds per sequence trained
 
 
-def _kernel(name: str, config) -> str:
-    """The kernel the trainer's `auto` takes on an H200 with FlashAttention-4 installed (sp/kernels.py)."""
-    if name != "auto":
-        return name
-    return "flash_attn_4" if widest_head_dim(config) <= FLASH_MAX_HEAD_DIM else "sdpa"
-
-
 def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
     from ..train.config.train_config import parse_args
@@ -90,27 +98,20 @@ def command(train_argv: list[str], machine: Machine) -> Command:
     from ..train.preference.pairs import resolve_preference
     from ..train.run.trainer import run_geometry, run_levers
 
-    import torch
-
     cfg, explicit = parse_args(train_argv)
     resolve_preference(cfg, explicit)
     cfg.validate()
     config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
-    sp = cfg.parallel.sp_size or math.gcd(min(machine.gpus, machine.gpus_per_node), machine.gpus)
-    ring = dims.resolve_ring_size(cfg.parallel.ring_size, sp, *attention_heads(config))
-    dims.validate(machine.gpus, sp, *attention_heads(config), {"seq_len": cfg.data.seq_len}, cfg.data.pad_to_sp, ring)
-    # what the trainer refuses, refused here
-    check_support(config, sp, ring, _kernel(cfg.levers.attn_kernel, config), "cuda", cfg.data.packing)
-    bf16 = cfg.base.dtype != "fp32"  # auto is bf16 on a GPU
-    ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, machine.gpus // sp, sp,
-                           config.hidden_size, use_bf16=bf16, random_init=cfg.base.model is None)
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    # the trainer's layout on the planned GPUs; what the trainer refuses, refused here
+    layout = resolve_layout(cfg.layout_flags(), config, machine.target())
+    ds = resolve_ds_config(load_ds_config(cfg.parallel.ds_config), cfg, explicit, layout.dp_size, layout.sp_size,
+                           config.hidden_size, use_bf16=layout.bf16, random_init=cfg.base.model is None)
     g = run_geometry(cfg, config)  # with --use_peft, what the adapters change
-    levers = run_levers(cfg, config, ds, sp, dtype, machine.device(), g)
+    levers = run_levers(cfg, config, ds, layout, machine.device(), g)
     choices = lever_choices(ds)
-    return Command(cfg, g, sp, levers, _kernel(cfg.levers.attn_kernel, config), ds["train_micro_batch_size_per_gpu"],
-                   ds["gradient_accumulation_steps"], choices["zero_stage"], dtype.itemsize, choices,
-                   cfg.parallel.ds_config if "ds_config" in explicit else None, ring)
+    return Command(cfg, g, layout, levers, ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
+                   choices["zero_stage"], 2 if layout.bf16 else 4, choices,
+                   cfg.parallel.ds_config if "ds_config" in explicit else None)
 
 
 def _estimate_settings(c: Command, sp: int) -> dict:

@@ -151,18 +151,18 @@ def preview(cfg, num_samples: int, color: bool, write=print) -> None:
     """The first `num_samples` samples a run of `cfg` trains, rendered (module docstring)."""
     from ..data.load import load_source
     from ..data.sources import Row, SyntheticSource, build_batch, sample_order
-    from ..model.build import attention_heads, load_model_config
-    from ..sp import dims
-    from ..train.config.train_config import ring_size_number
+    from ..model.build import load_model_config
+    from ..sp.layout import Target, resolve_layout
+    from ..train.config.train_config import verify_seq_len
     from ..train.run.preflight import preflight
-    from ..train.run.trainer import verify_seq_len
 
     cfg.validate()
     preflight(cfg)
     config = load_model_config(cfg.base.model, cfg.base.model_config, cfg.base.num_layers)
-    seq_len, sp = verify_seq_len(cfg), cfg.parallel.sp_size or 1
-    ring = dims.resolve_ring_size(ring_size_number(cfg.parallel.ring_size) or "auto", sp, *attention_heads(config))
-    dims.validate(sp, sp, *attention_heads(config), {"seq_len": seq_len}, cfg.data.pad_to_sp, ring)
+    # one SP group (--sp_size, default 1) on the GPUs the run is for, laid out as the trainer lays it out: the shards
+    # shown are the ones it cuts, and a layout it refuses is refused here with its message
+    layout = resolve_layout(cfg.layout_flags(), config, Target.planned(cfg.parallel.sp_size or 1))
+    seq_len, sp, ring = verify_seq_len(cfg), layout.sp_size, layout.ring_size
     if cfg.data.dataset:
         tokenizer, source = load_source(cfg.data_settings(), cfg.data.dataset, cfg.data.dataset_split, seq_len,
                                         config.vocab_size, 0, write)

@@ -20,6 +20,7 @@ from ...data.messages import parse_role_map
 from ...data.mixture import dataset_entries
 from ...errors import ConfigError
 from ...levers.policy import LeverRequest
+from ...sp.layout import LayoutFlags
 from . import aliases, field_files, field_keys
 from .groups import (FLAGS, GROUPS, Settings, AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
                             OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
@@ -84,6 +85,15 @@ class TrainConfig(Settings):
         """What levers/ reads of this config: the levers group, and the adapters' dropout (random masks that a
         recompute must repeat)."""
         return LeverRequest.from_config(self.levers, self.adapters.lora_dropout if self.adapters.use_peft else 0.0)
+
+    def layout_flags(self) -> LayoutFlags:
+        """What sp/layout.py reads of this config: the sizes, the kernel, the dtype, the lengths cut into shards
+        (--seq_len, and with --verify the length it runs) and whether rows hold several documents (packing, or
+        preference pairs: a pair's two sides are two documents)."""
+        data, verify = self.data, self.check.verify
+        lengths = {"seq_len": data.seq_len, **({"verify_seq_len": verify_seq_len(self)} if verify else {})}
+        return LayoutFlags(self.parallel.sp_size, ring_size_number(self.parallel.ring_size), self.levers.attn_kernel,
+                           self.base.dtype, data.packing, self.pref.method != "sft", lengths, data.pad_to_sp)
 
     def overrides(self) -> set[str]:
         """The settings --resume_override names."""
@@ -276,6 +286,12 @@ FREE_SETTINGS = frozenset({
 # --use_peft, no frozen weight) and their optimizer states, so no override can change them on resume (train/checkpoints/resume.py
 # refuses). --lora_alpha, --lora_dropout and --load_in_4bit change no trained tensor: they may be overridden.
 SHAPE_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save")
+
+
+def verify_seq_len(cfg: TrainConfig) -> int:
+    """Tokens per sequence this process runs: --seq_len, or with --verify the shorter check (the levers are still
+    chosen for --seq_len, so the check sees the run as configured)."""
+    return (cfg.check.verify_seq_len or min(cfg.data.seq_len, 4096)) if cfg.check.verify else cfg.data.seq_len
 
 
 def ring_size_number(value: str) -> Optional[int]:

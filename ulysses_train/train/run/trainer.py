@@ -15,7 +15,7 @@ import contextlib
 import math
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,18 +34,16 @@ from ...levers.preference_loss import PreferenceLMWithSPLoss
 from ...levers.rope import configure_rope
 from ...model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
 from ...model.buffers import restore_fp32_buffers
-from ...model.build import (attention_heads, build_model, load_model_config, model_config_values,
-                           widest_head_dim)
+from ...model.build import build_model, load_model_config, model_config_values
 from ...model.geometry import geometry
 from ...model.surgery import apply_levers, apply_sp_patches
-from ...sp import dims
 from ...sp.attention import register_ulysses_attention
 from ...sp.groups import SequenceParallelGroups, init_distributed, local_world_size
-from ...sp.kernels import resolve_kernel
-from ...sp.support import check_support, describe_layers
+from ...sp.layout import Layout, Target, resolve_layout
+from ...sp.support import describe_layers
 from ..checkpoints.checkpoint import load_checkpoint, newest_complete, save_checkpoint
 from ..checkpoints.disk_space import checkpoint_bytes, estimated_checkpoint_bytes, saved_parameters, too_little_space
-from ..config.train_config import TrainConfig, ring_size_number, write_resolved_config
+from ..config.train_config import TrainConfig, verify_seq_len, write_resolved_config
 from ..checkpoints.resume import (apply_optimizer_settings, apply_schedule, check_trained_shapes, dataset_setting, plan_run,
                      training_settings)
 from ..checkpoints.run_folder import abandon_newer
@@ -84,12 +82,6 @@ def verify_folder(cfg: TrainConfig) -> str:
     return os.path.join(cfg.output.output_dir, "verify")
 
 
-def verify_seq_len(cfg: TrainConfig) -> int:
-    """Tokens per sequence this process runs: --seq_len, or with --verify the shorter check (the levers are still
-    chosen for --seq_len, so the check sees the run as configured)."""
-    return (cfg.check.verify_seq_len or min(cfg.data.seq_len, 4096)) if cfg.check.verify else cfg.data.seq_len
-
-
 def run_geometry(cfg: TrainConfig, model_config) -> dict:
     """The model's geometry (model/geometry.py) with, under --use_peft, what the adapters change (`adapters`:
     model/adapters.py), which the planner's memory and time count."""
@@ -99,22 +91,30 @@ def run_geometry(cfg: TrainConfig, model_config) -> dict:
     return g
 
 
-def run_levers(cfg: TrainConfig, model_config, ds: dict, sp_size: int, dtype: torch.dtype,
-               device: DeviceInfo, g: Optional[dict] = None) -> Levers:
+def run_layout(cfg: TrainConfig, model_config, world: int, device_type: str, capability: tuple[int, int] = (0, 0),
+               local_ranks: Callable[[], int] = local_world_size) -> Layout:
+    """This run's layout (sp/layout.py) on this machine: `world` ranks of `device_type` (of compute capability
+    `capability` on CUDA); `local_ranks` counts the ranks on this host (a collective), asked only for the default
+    --sp_size."""
+    local = local_ranks() if cfg.parallel.sp_size is None else None
+    return resolve_layout(cfg.layout_flags(), model_config, Target(world, local, device_type, tuple(capability)))
+
+
+def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device: DeviceInfo,
+               g: Optional[dict] = None) -> Levers:
     """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags); `g`:
     run_geometry's, computed here if not given."""
     micro = ds["train_micro_batch_size_per_gpu"]
-    local_tokens = micro * math.ceil(cfg.data.seq_len / sp_size)
+    local_tokens = micro * math.ceil(cfg.data.seq_len / layout.sp_size)
     g, choices = g or run_geometry(cfg, model_config), lever_choices(ds)
+    act_bytes = 2 if layout.bf16 else 4  # bf16 or fp32 activations
     # the planner's memory estimate: how many layers `--checkpoint_layers auto` checkpoints, and whether
     # `--attn_recompute auto` can keep the attention outputs
-    world = ds["train_batch_size"] // (micro * ds["gradient_accumulation_steps"]) * sp_size
-    ring = dims.resolve_ring_size(ring_size_number(cfg.parallel.ring_size) or "auto", sp_size,
-                                  *attention_heads(model_config))
-    fits = fits_on(g, cfg.data.seq_len, world, sp_size, device.memory_bytes, device.host_memory_bytes,
-                   choices.get("zero_stage", 3), micro, dtype.itemsize, loss_chunk=cfg.levers.loss_chunk_size,
-                   tile_tokens=cfg.levers.mlp_tile_tokens, ring=ring, pairs=cfg.pref.method != "sft")
-    return resolve_levers(cfg.lever_request(), g, local_tokens, dtype.itemsize, device, choices, fits)
+    fits = fits_on(g, cfg.data.seq_len, layout.world_size, layout.sp_size, device.memory_bytes,
+                   device.host_memory_bytes, choices.get("zero_stage", 3), micro, act_bytes,
+                   loss_chunk=cfg.levers.loss_chunk_size, tile_tokens=cfg.levers.mlp_tile_tokens,
+                   ring=layout.ring_size, pairs=cfg.pref.method != "sft")
+    return resolve_levers(cfg.lever_request(), g, local_tokens, act_bytes, device, choices, fits)
 
 
 class Trainer:
@@ -168,29 +168,23 @@ class Trainer:
             self.resources.callback(self.lock.release)
         self.watchdog = Watchdog(self.rank, self.world, cfg.parallel.dist_timeout, self.stop.request, exit_now).start()
         self.resources.callback(self.watchdog.stop)
-        sp_size = cfg.parallel.sp_size or math.gcd(local_world_size(), self.world)
-        heads = attention_heads(self.model_config)
-        ring_size = dims.resolve_ring_size(ring_size_number(cfg.parallel.ring_size) or "auto", sp_size, *heads)
-        lengths = {"seq_len": cfg.data.seq_len, **({"verify_seq_len": self.seq_len} if cfg.check.verify else {})}
-        parallel = dims.validate(self.world, sp_size, *heads, lengths, cfg.data.pad_to_sp, ring_size)
         self.device = torch.device(accel.device_name(int(os.environ.get("LOCAL_RANK", 0))))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._allow_tf32(cfg.levers.tf32)
-        use_bf16 = cfg.base.dtype == "bf16" or (cfg.base.dtype == "auto" and self.device.type == "cuda")
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
-        self.kernel = resolve_kernel(cfg.levers.attn_kernel, self.device.type, use_bf16, capability,
-                                     widest_head_dim(self.model_config))
+        # before the data and the model: sizes, kernel and every layer checked (sp/layout.py); a layer this run
+        # cannot make exact stops it here (sp/support.py)
+        self.layout = layout = run_layout(cfg, self.model_config, self.world, self.device.type, capability)
+        sp_size, ring_size, self.kernel, self.layers = layout.sp_size, layout.ring_size, layout.kernel, layout.layers
+        use_bf16 = layout.bf16
         self.adapter_spec = AdapterSpec.from_config(cfg.adapters)
         if self.adapter_spec and self.adapter_spec.load_in_4bit:
             check_4bit(self.device)
         self.geometry = run_geometry(cfg, self.model_config)  # before zero.Init: adapters counted on the meta device
-        # before the data and the model: a layer this run cannot make exact stops it here (sp/support.py)
-        self.layers = check_support(self.model_config, sp_size, ring_size, self.kernel, self.device.type,
-                                    cfg.data.packing or cfg.pref.method != "sft")  # a pair's two sides are documents
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
         raw_ds = load_ds_config(cfg.parallel.ds_config)
-        self.ds = resolve_ds_config(raw_ds, cfg, explicit, parallel.dp_size, sp_size, self.model_config.hidden_size,
+        self.ds = resolve_ds_config(raw_ds, cfg, explicit, layout.dp_size, sp_size, self.model_config.hidden_size,
                                     use_bf16, cfg.base.model is None)
         self.micro, self.accum = self.ds["train_micro_batch_size_per_gpu"], self.ds["gradient_accumulation_steps"]
         if cfg.optim.skip_nonfinite and self.accum > 1:
@@ -203,7 +197,7 @@ class Trainer:
 
         def plan() -> None:  # before the model: a run that cannot write, or must not start, stops in seconds
             self.settings = self._training_settings(raw_ds, use_bf16)  # (with --epochs, after the data)
-            self.plan = plan_run(cfg, self.settings, parallel.dp_size, sp_size, "scheduler" not in self.ds,
+            self.plan = plan_run(cfg, self.settings, layout.dp_size, sp_size, "scheduler" not in self.ds,
                                  self.rank, self.log, self.warn)
             # --report_to's trackers started (a server that refuses or does not answer named) before the model
             resuming = self.plan.checkpoint is not None
@@ -223,9 +217,9 @@ class Trainer:
             self.source, self.eval_source = split_off(self.source, cfg.eval.val_set_size, cfg.data.seed)
             self.log(f"val_set_size {cfg.eval.val_set_size:g}: {self.eval_source.num_samples:,} samples held out as "
                      f"the eval set, {self.source.num_samples:,} to train on")
-        self._per_epoch(parallel.dp_size)
+        self._per_epoch(layout.dp_size)
         if steps_from_epochs:
-            cfg.optim.steps = self._steps_of_epochs(parallel.dp_size)
+            cfg.optim.steps = self._steps_of_epochs(layout.dp_size)
             cfg.check_steps()
             plan()
         if cfg.eval.eval_dataset and not cfg.check.verify:
@@ -255,7 +249,7 @@ class Trainer:
         after_engine = restore_fp32_buffers(self.module, self.dtype)
         if after_engine.restored:
             self.log(f"buffers after deepspeed.initialize and resume: {after_engine.describe()}")
-        self.log(f"world {self.world} = dp {parallel.dp_size} x sp {self.describe_sp()} | kernel {self.kernel} | dtype "
+        self.log(f"world {self.world} = dp {layout.dp_size} x sp {self.describe_sp()} | kernel {self.kernel} | dtype "
                  f"{self.dtype} | micro {self.micro} x accum {self.accum} | seq_len {self.seq_len} | "
                  f"{sum(getattr(p, 'ds_numel', p.numel()) for p in self.module.parameters()) / 1e6:.1f}M params | "
                  f"{self.model_config.num_hidden_layers} layers ({describe_layers(self.layers)}) | "
@@ -309,7 +303,7 @@ class Trainer:
         model.train()
         request = cfg.lever_request()
         device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        levers = run_levers(cfg, self.model_config, self.ds, self.groups.sp_size, self.dtype, device, self.geometry)
+        levers = run_levers(cfg, self.model_config, self.ds, self.layout, device, self.geometry)
         # the adapters go in before the surgery, which then finds (and calls) PEFT's layers where the linears were
         self.adapters = add_adapters(model, spec, input_grads=levers.checkpointing) if spec else None
         if self.adapters:
