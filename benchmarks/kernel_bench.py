@@ -255,8 +255,9 @@ def main():
             rows.append({"tokens": t, "op": case.op, **measure(case, repeats, dev)})
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        import liger_kernel  # noqa: F401  (its version, below)
         from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401  (its version, below)
 
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",

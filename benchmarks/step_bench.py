@@ -95,9 +95,9 @@ def main():
 
     from ulysses_train.train.config.train_config import parse_args
     from ulysses_train.train.process.launcher import normalise_launcher_env
+    from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.loop import train
     from ulysses_train.train.step.metrics import host_peak_gib
-    from ulysses_train.train.run.trainer import Trainer
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, explicit = parse_args(argv[split + 1:])

@@ -33,9 +33,9 @@ def sharded_run(rank, world, family, seed, loss_kind, stage, reduce_scatter=True
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count, sp_backward_scale
     from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.groups import SequenceParallelGroups
     from ulysses_train.sp.sharding import shard_sequence
 

@@ -46,9 +46,8 @@ def session(tmp_path_factory):
 
 
 def test_trl_style_settings_train_with_epochs_a_linear_schedule_and_evaluation(session):
-    from transformers import get_linear_schedule_with_warmup
-
     import torch
+    from transformers import get_linear_schedule_with_warmup
 
     runs, out = session["report"]["runs"], session["out"]
     steps = math.ceil(1 * 16 / 2)  # num_train_epochs x conversations (one per sample) / gradient_accumulation_steps

@@ -27,8 +27,8 @@ def _built_under_zero3(rank, world, families, yarn):
     import transformers.modeling_utils as modeling_utils
     from transformers.integrations import HfDeepSpeedConfig
 
-    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.model.build import build_model
+    from ulysses_train.sp.attention import register_ulysses_attention
 
     # what transformers < 5.2x does: no guard around torch.arange inside zero.Init
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext

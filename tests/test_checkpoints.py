@@ -14,8 +14,16 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
-from tests.trainer_runs import (ROOT, TRAIN, checkpoint_weights, child_env, deepspeed_launcher, launch_port, metrics,
-                                torchrun_launcher)
+from tests.trainer_runs import (
+    ROOT,
+    TRAIN,
+    checkpoint_weights,
+    child_env,
+    deepspeed_launcher,
+    launch_port,
+    metrics,
+    torchrun_launcher,
+)
 
 ARGS = ["--seq_len", "128", "--steps", "6", "--save_steps", "3", "--lr", "3e-3"]
 HANG_GUARD_S = 600
@@ -184,8 +192,8 @@ def test_export_round_trip_gives_the_training_time_logits(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from ulysses_train.train.checkpoints.export_model import export
     from ulysses_train.model.build import load_model_config
+    from ulysses_train.train.checkpoints.export_model import export
 
     folder = tmp_path / "base"
     AutoModelForCausalLM.from_config(load_model_config(None, "tiny")).save_pretrained(folder)

@@ -11,8 +11,18 @@ import pytest
 import yaml
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config.train_config import (FLAGS, GROUPS, AdapterConfig, DataConfig, OptimConfig, TrainConfig,
-                                        build_parser, config_from, parse_args, write_resolved_config)
+from ulysses_train.train.config.train_config import (
+    FLAGS,
+    GROUPS,
+    AdapterConfig,
+    DataConfig,
+    OptimConfig,
+    TrainConfig,
+    build_parser,
+    config_from,
+    parse_args,
+    write_resolved_config,
+)
 
 FLAT = {"seq_len": 256, "packing": True, "learning_rate": 3e-4, "steps": 7, "sp_size": 2, "use_peft": True,
         "lora_r": 8, "tiled_mlp": "on", "log_every": 2, "method": "sft", "verify_seq_len": 128}

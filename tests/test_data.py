@@ -9,10 +9,19 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.models import tiny_config
-from ulysses_train.errors import ConfigError
-from ulysses_train.data.corpus import (ByteTokenizer, TokenSamples, build_token_store, cache_settings, load_corpus,
-                                       load_tokenizer, pick_text_column, store_key, tokenize_corpus)
+from ulysses_train.data.corpus import (
+    ByteTokenizer,
+    TokenSamples,
+    build_token_store,
+    cache_settings,
+    load_corpus,
+    load_tokenizer,
+    pick_text_column,
+    store_key,
+    tokenize_corpus,
+)
 from ulysses_train.data.sources import build_batch
+from ulysses_train.errors import ConfigError
 from ulysses_train.sp.sharding import IGNORE_INDEX
 
 DOCS = ["first book. " * 7, "second, longer book! " * 9, "third: ünïcode ✓ " * 5]
@@ -142,9 +151,9 @@ def _packed_sp(rank, world, seed):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
     from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.sharding import shard_sequence
 
     group = dist.new_group(list(range(world)))

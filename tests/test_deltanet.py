@@ -98,8 +98,8 @@ def _sharded(rank, world, cases):
     from tests.distributed import summed_over
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
     from ulysses_train.model.surgery import install_deltanet_mixers, install_loss_head
-    from ulysses_train.sp.linear_kernel import LinearKernel
     from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.linear_kernel import LinearKernel
     from ulysses_train.sp.sharding import shard_sequence
 
     group = dist.new_group(list(range(world))) if world > 1 else None

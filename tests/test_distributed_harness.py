@@ -3,7 +3,9 @@ others. That results come back in rank order is checked in a launch made anyway 
 tests/test_attention_equivalence.py) rather than in a launch of its own."""
 
 import pytest
+
 from tests.distributed import run_distributed
+
 
 def _boom(rank, world):
     if rank == 1:

@@ -31,11 +31,11 @@ def _evaluate_against_transformers(rank, world, files, settings, trained):
     import torch
 
     from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.evaluate import evaluate
     from ulysses_train.train.step.loop import train
-    from ulysses_train.train.run.trainer import Trainer
-    from ulysses_train.train.verify.verify import _gather_weights
     from ulysses_train.train.verify.reference_model import reference_step
+    from ulysses_train.train.verify.verify import _gather_weights
 
     results = []
     for i, extra in enumerate(settings):

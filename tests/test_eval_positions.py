@@ -96,8 +96,7 @@ def test_conversations_count_only_trained_tokens(setup):
     `return_assistant_tokens_mask` on the same template with `{% generation %}` markers."""
     from transformers import AutoModelForCausalLM
 
-    from tests.sft_fixtures import (CHATML_PLAIN, CHATML_QWEN, MULTI_TURN, arithmetic_chats, tiny_tokenizer,
-                                    write_jsonl)
+    from tests.sft_fixtures import CHATML_PLAIN, CHATML_QWEN, MULTI_TURN, arithmetic_chats, tiny_tokenizer, write_jsonl
 
     seq, n = 128, 3
     chats = [MULTI_TURN] + [row["messages"] for row in arithmetic_chats(4)[::3]]  # multi-turn ones, with a tool turn

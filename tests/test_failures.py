@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.distributed import run_distributed
-from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, deepspeed_launcher
+from tests.trainer_runs import ROOT, TRAIN, child_env, deepspeed_launcher, launch_port
 
 HANG_GUARD_S = 600
 

@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from tests.models import any_tiny_config
-from ulysses_train.levers.fused_kernels import (GatedMulFunction, RotaryFunction, kernels_run_on, rms_norm,
-                                                triton_importable)
-from ulysses_train.levers.lean_norm import LLAMA, T5, ZERO_CENTRED
 from ulysses_train.levers.fused_check import self_check
+from ulysses_train.levers.fused_kernels import (
+    GatedMulFunction,
+    RotaryFunction,
+    kernels_run_on,
+    rms_norm,
+    triton_importable,
+)
+from ulysses_train.levers.lean_norm import LLAMA, T5, ZERO_CENTRED
 from ulysses_train.levers.policy import LeverRequest, Levers
 from ulysses_train.model.surgery import check_fused_kernels, install_fused_mlp, install_fused_rotary
 

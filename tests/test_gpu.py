@@ -40,11 +40,10 @@ def test_offload_and_kept_attention_are_exact_on_gpu():
     from transformers import AutoModelForCausalLM
 
     from tests.models import tiny_config
-    from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.levers.offload import HostOffload
-    from ulysses_train.model.surgery import enable_checkpointing
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
-    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.sharding import shard_sequence
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -151,8 +150,12 @@ def test_liger_loss_matches_ours_at_scale():
     chunks of 4,096. The self-check passes in both dtypes. Losses: both sum in fp32 from bf16 logits (1e-4, which
     also covers cuBLAS rounding a logit differently for another chunk shape); gradients: one bf16 rounding of the
     logits' gradient and of each matmul (1e-2 relative norm)."""
-    from ulysses_train.levers.loss import fused_linear_cross_entropy, liger_check, liger_linear_cross_entropy
-    from ulysses_train.levers.loss import plain_loss
+    from ulysses_train.levers.loss import (
+        fused_linear_cross_entropy,
+        liger_check,
+        liger_linear_cross_entropy,
+        plain_loss,
+    )
 
     assert liger_check(torch.device("cuda"), torch.float32) is None
     assert liger_check(torch.device("cuda"), torch.bfloat16) is None
@@ -262,13 +265,12 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
         pytest.skip("flash_attn_4 not installed")
     from transformers import AutoModelForCausalLM
 
-    from tests.models import tiny_config
     from tests.attention_calls import CountAttention
-    from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.levers.offload import HostOffload
-    from ulysses_train.model.surgery import enable_checkpointing
+    from tests.models import tiny_config
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
-    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.sharding import shard_sequence
 
     config = tiny_config("qwen3")

@@ -29,8 +29,8 @@ def test_a_lora_checkpoint_and_its_merged_export_load_with_the_trained_logits(tm
     from ulysses_train.tools.export import main as export_main
     from ulysses_train.train.api import launcher_environment
     from ulysses_train.train.config.train_config import parse_args
-    from ulysses_train.train.step.loop import train
     from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.step.loop import train
 
     base = tmp_path / "base"
     torch.manual_seed(0)

@@ -93,10 +93,11 @@ def test_fla_mixer_in_bf16_matches_the_torch_rule_in_fp32(packed, monkeypatch):
 
 
 def test_linear_kernel_auto_picks_fla_where_it_runs_and_agrees():
+    import inspect
+
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from ulysses_train.sp.linear_kernel import choose_linear_kernel, self_check
-    import inspect
 
     _fla_or_skip()
     rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)

@@ -21,11 +21,10 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.levers.offload import HostOffload
-    from ulysses_train.model.surgery import enable_checkpointing
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
-    from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.sharding import shard_sequence
 
     group = dist.new_group(list(range(world))) if world > 1 else None
@@ -45,8 +44,7 @@ def _step(rank, world, keep_attention, loss_kind, checkpoint, tiled=False, offlo
                              gpu_checkpoints=gpu_checkpoints, every=every)
     install_loss_head(model, fused=loss_kind == "fused", chunk_size=8)
     if lean:  # True: the lean norms; "fused": our Triton norms and rotary (interpreted on CPU)
-        from ulysses_train.model.surgery import install_fused_mlp, install_fused_rotary
-        from ulysses_train.model.surgery import install_lean_norms
+        from ulysses_train.model.surgery import install_fused_mlp, install_fused_rotary, install_lean_norms
 
         assert install_lean_norms(model, fused=lean == "fused") > 0
         if lean == "fused":

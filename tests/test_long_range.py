@@ -4,9 +4,9 @@ at all after a few YaRN steps at 256. CPU, seconds."""
 
 import math
 
-from ulysses_train.tools.long_range_demo import VALUES, keyed_sum_batch, run
-
 import torch
+
+from ulysses_train.tools.long_range_demo import VALUES, keyed_sum_batch, run
 
 
 def test_task_needs_the_key():

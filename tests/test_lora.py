@@ -304,8 +304,8 @@ def test_the_planner_counts_what_lora_changes(capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.levers.policy import Levers
     from ulysses_train.levers.memory import NF4_BYTES
+    from ulysses_train.levers.policy import Levers
     from ulysses_train.model.adapters import AdapterSpec, adapter_geometry
     from ulysses_train.model.build import load_model_config
     from ulysses_train.model.geometry import geometry

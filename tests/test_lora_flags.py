@@ -40,8 +40,8 @@ def _settings_check(old_flags: list, new_flags: list):
     """compare_settings of a checkpoint saved with `old_flags` against a run launched with `new_flags`: the
     refusal's message, or None when the run may resume."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
     from ulysses_train.train.checkpoints.resume import compare_settings, training_settings
+    from ulysses_train.train.config.train_config import parse_args
 
     old, _ = parse_args(old_flags)
     new, _ = parse_args(new_flags + ["--resume", "auto"])

@@ -29,9 +29,9 @@ def _sharded(rank, world, family, seed):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
     from ulysses_train.model.surgery import install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.sp.sharding import shard_sequence
 
     state, ids, _, _ = _reference(family, seed)

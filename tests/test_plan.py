@@ -4,7 +4,6 @@ import inspect
 import re
 
 import pytest
-
 from transformers import AutoConfig
 
 from tests.models import TINY, qwen2_28_heads_config, tiny_config
@@ -171,8 +170,8 @@ def test_saved_bytes_match_cpu_allocations(keep):
     kept attention outputs (fp32 here): measured as the growth between two lengths, so constants cancel."""
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.sp.attention import register_ulysses_attention
     from ulysses_train.model.surgery import enable_checkpointing
+    from ulysses_train.sp.attention import register_ulysses_attention
 
     config = tiny_config("qwen3")
     register_ulysses_attention(None, "sdpa")
@@ -278,9 +277,9 @@ def test_uncheckpointed_layer_bytes_match_cpu_allocations(lean, tiled):
     the tiled MLP: the planner's memory for the layers it does not checkpoint."""
     from transformers import AutoModelForCausalLM
 
+    from ulysses_train.levers.layer_activations import kept_layer_bytes
     from ulysses_train.model.surgery import enable_tiled_mlp, install_lean_norms
     from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.levers.layer_activations import kept_layer_bytes
 
     config = tiny_config("qwen3")
     register_ulysses_attention(None, "sdpa")
@@ -301,9 +300,9 @@ def test_uncheckpointed_gemma_layer_bytes_match_cpu_allocations(tiled):
     tensors and a norm's fp32 copy and row statistic each."""
     from transformers import AutoModelForCausalLM
 
+    from ulysses_train.levers.layer_activations import kept_layer_bytes
     from ulysses_train.model.surgery import enable_tiled_mlp
     from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.levers.layer_activations import kept_layer_bytes
 
     config = AutoConfig.for_model("gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
@@ -430,7 +429,7 @@ def test_checkpoint_split_and_segments_by_hand():
     import dataclasses
 
     g = geometry(AutoConfig.for_model("qwen3", **{**TINY["qwen3"], "num_hidden_layers": 5}))
-    t, one, kept_one = 512, 512 * 64 * 2, 512 * (64 * 2 + 8 * 4)  # tokens per rank, a layer input, kept outputs
+    one, kept_one = 512 * 64 * 2, 512 * (64 * 2 + 8 * 4)  # 512 tokens a rank: a layer input, kept outputs
     host_all = estimate(g, 1024, 4, 2, Levers(offload_activations=True))
     assert host_all["host"]["offloaded checkpoints"] == 4 * 5 * (one + kept_one)
     for gpu in (0, 2, 5):

@@ -294,8 +294,8 @@ def test_ref_model_is_checked_before_the_model_is_built(tmp_path):
 
     from tests.models import TINY
     from ulysses_train.train.config.train_config import parse_args
-    from ulysses_train.train.run.preflight import preflight
     from ulysses_train.train.preference.reference_logps import check_reference_config
+    from ulysses_train.train.run.preflight import preflight
 
     cfg, _ = parse_args(["--method", "dpo", "--dataset", str(tmp_path), "--ref_model", str(tmp_path / "none")])
     with pytest.raises(ConfigError, match=rf"--ref_model {tmp_path / 'none'}: no such file or folder"):
@@ -440,7 +440,8 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_trainers(pair_batch):
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
 
-    from ulysses_train.levers.preference_loss import ORPO_STATS, PAIR_STATS as STATS, PreferenceSpec
+    from ulysses_train.levers.preference_loss import ORPO_STATS, PreferenceSpec
+    from ulysses_train.levers.preference_loss import PAIR_STATS as STATS
     from ulysses_train.train.preference.pairs import unpack_pairs
 
     model = _model()

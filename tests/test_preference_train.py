@@ -49,8 +49,8 @@ def files(tmp_path_factory):
 def _run(rank, world, runs, tmp):
     """Each (name, argv) in turn: training returns its metrics, --verify its result; with the reference log-probs."""
     from ulysses_train.train.config.train_config import parse_args
-    from ulysses_train.train.step.loop import train
     from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.step.loop import train
     from ulysses_train.train.verify.verify import run_verify
 
     out = {}
@@ -137,9 +137,9 @@ def _reference_runs(rank, world, runs, tmp):
     right after the trainer is built: after any --ref_model swap and its undoing), or the ConfigError's message."""
     from ulysses_train.errors import ConfigError
     from ulysses_train.train.config.train_config import parse_args
-    from ulysses_train.train.step.loop import train
     from ulysses_train.train.preference.reference_logps import reference_parameters, weights_digest
     from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.step.loop import train
     from ulysses_train.train.verify.verify import run_verify
 
     out = {}
@@ -251,8 +251,8 @@ def _default_runs(rank, world, runs, tmp):
     records), or the ConfigError's message."""
     from ulysses_train.errors import ConfigError
     from ulysses_train.train.config.train_config import parse_args
-    from ulysses_train.train.step.loop import train
     from ulysses_train.train.run.trainer import Trainer
+    from ulysses_train.train.step.loop import train
 
     out = {}
     for name, argv in runs:

@@ -6,8 +6,7 @@ import re
 
 import pytest
 
-from tests.sft_fixtures import (CHATML_TOOLS, SHAREGPT, SHAREGPT_AS_MESSAGES, tiny_tokenizer, trained_spans,
-                                write_jsonl)
+from tests.sft_fixtures import CHATML_TOOLS, SHAREGPT, SHAREGPT_AS_MESSAGES, tiny_tokenizer, trained_spans, write_jsonl
 from ulysses_train.tools.preview import main
 
 

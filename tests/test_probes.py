@@ -159,10 +159,10 @@ def model_checks(path: str):
     supported. Its message if it refuses."""
     from ulysses_train.levers.rope import configure_rope
     from ulysses_train.model.build import load_model_config
-    from ulysses_train.sp.layout import attention_heads
-    from ulysses_train.sp import dims
-    from ulysses_train.sp.support import check_support
     from ulysses_train.model.geometry import geometry
+    from ulysses_train.sp import dims
+    from ulysses_train.sp.layout import attention_heads
+    from ulysses_train.sp.support import check_support
 
     try:
         config = load_model_config(None, path)

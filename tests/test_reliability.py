@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.trainer_runs import ROOT, TRAIN, child_env, launch_port, deepspeed_launcher
+from tests.trainer_runs import ROOT, TRAIN, child_env, deepspeed_launcher, launch_port
 
 HANG_GUARD_S = 600
 COMMON = ["--seq_len", "64", "--lr", "3e-3"]

@@ -266,7 +266,7 @@ def test_28_heads_train_at_sp8_as_4x2_and_hybrid_attention_on_8_ranks(tmp_path):
     import subprocess
     import sys
 
-    from tests.trainer_runs import ROOT, child_env, launch_port, assert_same_curve, metrics
+    from tests.trainer_runs import ROOT, assert_same_curve, child_env, launch_port, metrics
 
     books = tmp_path / "books"
     books.mkdir()

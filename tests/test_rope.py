@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ulysses_train.errors import ConfigError
-from ulysses_train.model.build import load_model_config
 from ulysses_train.levers.rope import configure_rope
+from ulysses_train.model.build import load_model_config
 
 
 def test_yarn_on_qwen3_4b_preset_reads_theta_and_length():

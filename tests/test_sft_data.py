@@ -4,8 +4,17 @@ without generation markers, errors that name the flag, the cache key (templates 
 import numpy as np
 import pytest
 
-from tests.sft_fixtures import (CHATML_PLAIN, CHATML_QWEN, LLAMA3, MISTRAL, MULTI_TURN, REASONING, tiny_tokenizer,
-                                trained_spans, write_jsonl)
+from tests.sft_fixtures import (
+    CHATML_PLAIN,
+    CHATML_QWEN,
+    LLAMA3,
+    MISTRAL,
+    MULTI_TURN,
+    REASONING,
+    tiny_tokenizer,
+    trained_spans,
+    write_jsonl,
+)
 from ulysses_train.data.chat import assistant_mask, completion_mask, load_chat_template, marker_mask, prefix_mask
 from ulysses_train.data.corpus import ByteTokenizer, load_corpus
 from ulysses_train.data.sft import RowEncoder, detect_format, resolve_loss_on, sft_samples

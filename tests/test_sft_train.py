@@ -13,6 +13,7 @@ from tests.sft_fixtures import NUMBER_WORDS, arithmetic_chats, chat_folder, writ
 from tests.trainer_runs import metrics, plain_ranks, run
 from tests.verify_runs import verify_settings
 
+
 @pytest.fixture(scope="module")
 def chat_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sft")

@@ -8,8 +8,15 @@ import json
 import numpy as np
 import pytest
 
-from tests.sft_fixtures import (CHATML_TOOLS, CORPUS, MULTI_TURN, SHAREGPT, SHAREGPT_AS_MESSAGES, tiny_tokenizer,
-                                write_jsonl)
+from tests.sft_fixtures import (
+    CHATML_TOOLS,
+    CORPUS,
+    MULTI_TURN,
+    SHAREGPT,
+    SHAREGPT_AS_MESSAGES,
+    tiny_tokenizer,
+    write_jsonl,
+)
 from ulysses_train.data.corpus import load_corpus
 from ulysses_train.data.load import load_source
 from ulysses_train.data.mixture import MixtureSource, dataset_entries

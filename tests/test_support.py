@@ -155,7 +155,7 @@ def test_a_deltanet_model_whose_heads_sp_cannot_cut_stops_before_the_model_is_bu
     qwen35 = any_tiny_config("qwen3_5_text")
     qwen35.linear_num_key_heads, qwen35.linear_num_value_heads = 3, 6
     config.write_text(qwen35.to_json_string())
-    from tests.trainer_runs import deepspeed_launcher, child_env
+    from tests.trainer_runs import child_env, deepspeed_launcher
 
     proc = subprocess.run(deepspeed_launcher(2) + ["launch/train.py", "--ds_config", "ds_configs/zero3.json",
                                                    "--model_config", str(config), "--seq_len", "64", "--steps", "1",

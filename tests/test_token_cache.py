@@ -8,8 +8,14 @@ import os
 import numpy as np
 import pytest
 
-from ulysses_train.data.corpus import (ByteTokenizer, build_token_store, cache_settings, corpus_samples, store_key,
-                                       tokenizer_identity)
+from ulysses_train.data.corpus import (
+    ByteTokenizer,
+    build_token_store,
+    cache_settings,
+    corpus_samples,
+    store_key,
+    tokenizer_identity,
+)
 from ulysses_train.errors import ConfigError
 
 WORDS = " ".join(f"w{i}" for i in range(80))  # 309 bytes: with its EOS, 310 tokens per document

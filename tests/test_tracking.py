@@ -6,8 +6,8 @@ metrics.jsonl there. The run stops after step 3 with its checkpoint at step 2, a
 steps: the same wandb and MLflow runs continue, and every tracker holds each step once."""
 
 import glob
-import subprocess
 import json
+import subprocess
 import sys
 
 import pytest
@@ -16,8 +16,8 @@ import yaml
 from tests.trainer_runs import ROOT, TRAIN, child_env, metrics
 from tests.wandb_files import wandb_records
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config.train_config import parse_args
 from ulysses_train.train.config.flag_checks import parse_report_to
+from ulysses_train.train.config.train_config import parse_args
 
 pytest.importorskip("wandb", reason="the [track] extra: pip install -e '.[track]'")
 pytest.importorskip("mlflow", reason="the [track] extra: pip install -e '.[track]'")
@@ -162,8 +162,8 @@ def test_a_tracker_that_cannot_start_is_named_before_the_model_is_built(tmp_path
     output folder's lock (an exit 2 left it filled, and the next run warned it took over from a run that died)."""
     import socket
 
-    from ulysses_train.train.step import tracking
     from ulysses_train.train.config.train_config import TrainConfig
+    from ulysses_train.train.step import tracking
 
     uri = _refused_uri()
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

@@ -9,8 +9,16 @@ import sys
 
 import pytest
 
-from tests.trainer_runs import (accelerate_launcher, assert_same_curve, deepspeed_launcher, deepspeed_shm_segments,
-                                metrics, plain_ranks, run, torchrun_launcher)
+from tests.trainer_runs import (
+    accelerate_launcher,
+    assert_same_curve,
+    deepspeed_launcher,
+    deepspeed_shm_segments,
+    metrics,
+    plain_ranks,
+    run,
+    torchrun_launcher,
+)
 
 
 def test_sp2_matches_single_process_under_deepspeed_torchrun_and_accelerate(tmp_path):

@@ -51,8 +51,8 @@ def _faulty(rank, world, tmp, faults):
     import transformers.modeling_utils as modeling_utils
 
     import ulysses_train.model.build as models
-    from ulysses_train.train.run import trainer
     from ulysses_train.model.buffers import BufferReport
+    from ulysses_train.train.run import trainer
 
     modeling_utils.prevent_arange_dtype_change = contextlib.nullcontext  # as transformers 5.17 builds under ZeRO-3
     originals = models.restore_fp32_buffers, trainer.restore_fp32_buffers, trainer.sp_backward_scale
@@ -145,8 +145,8 @@ def test_the_fp32_reference_is_exact_on_likely_targets_at_a_49k_vocabulary():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ulysses_train.sp.sharding import shift_labels
-    from ulysses_train.train.verify.verify import relative_errors
     from ulysses_train.train.verify.reference_model import reference_step
+    from ulysses_train.train.verify.verify import relative_errors
 
     config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -76,8 +76,9 @@ def metrics(out_dir) -> list[dict]:
 
 def checkpoint_weights(checkpoint):
     """The consolidated fp32 weights of a checkpoint folder (the export path)."""
-    from ulysses_train.train.checkpoints.checkpoint import safe_loading
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ulysses_train.train.checkpoints.checkpoint import safe_loading
 
     with safe_loading():
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")

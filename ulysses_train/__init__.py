@@ -25,9 +25,21 @@ from .sp.attention import UlyssesAttention, register_ulysses_attention
 from .sp.groups import SequenceParallelGroups, init_distributed
 from .sp.sharding import shard_sequence
 from .train.api import Trainer, TrainResult, train
+from .train.config.groups import (
+                                  AdapterConfig,
+                                  DataConfig,
+                                  EvalConfig,
+                                  LeverConfig,
+                                  LogConfig,
+                                  ModelConfig,
+                                  OptimConfig,
+                                  OutputConfig,
+                                  ParallelConfig,
+                                  PreferenceConfig,
+                                  SFTConfig,
+                                  VerifyConfig,
+)
 from .train.config.train_config import TrainConfig
-from .train.config.groups import (AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
-                                  OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer", "train", "ModelConfig", "DataConfig", "SFTConfig", "PreferenceConfig",
            "AdapterConfig", "OptimConfig", "ParallelConfig", "LeverConfig", "OutputConfig", "LogConfig", "EvalConfig",

@@ -3,12 +3,17 @@ log-probs, bf16), random-init Qwen3-4B, one pair per step (chosen and rejected: 
 usage: [ATTN=sdpa|flash_attention_4] [LAYERS=36] python benchmarks/peers/trl_dpo_1gpu.py DATA_DIR SIDE STEPS
 DATA_DIR holds what benchmarks/dpo_data.py --side SIDE wrote (pairs_SIDE.jsonl, tokenizer/); needs trl==1.16.0.
 Writes trl_dpo_<SIDE>.json into $OUT or the current folder."""
-import os, sys, time, json, resource
+import json
+import os
+import resource
+import sys
+import time
+
 import torch
 from datasets import load_dataset
+from peer_common import StepTimer
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 from trl import DPOConfig, DPOTrainer
-from peer_common import StepTimer
 
 DATA, SIDE, STEPS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 LAYERS, ATTN = int(os.environ.get("LAYERS", 36)), os.environ.get("ATTN", "sdpa")

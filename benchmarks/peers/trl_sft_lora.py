@@ -4,12 +4,17 @@ on a random-init preset of ulysses_train/model/build.py (default Qwen3-8B), one 
 usage: [PRESET=qwen3-8b] [ATTN=sdpa|flash_attention_4] [LAYERS=N] [LIGER=1] python benchmarks/peers/trl_sft_lora.py
        SEQ_LEN STEPS        (needs TRL and PEFT: pip install trl==1.16.0 peft)
 writes trl_lora_<preset>_<SEQ_LEN>.json into $OUT or the current folder and prints RESULT {json}."""
-import json, os, resource, sys
+import json
+import os
+import resource
+import sys
+
 import torch
+from peer_common import StepTimer, random_rows, word_tokenizer
 from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
-from peer_common import StepTimer, random_rows, word_tokenizer
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from ulysses_train.model.build import PRESETS
 

@@ -2,11 +2,16 @@
 (chunked loss, checkpoint offload, bf16), with the model config taken from ulysses_train's PRESETS.
 usage: PRESET=gemma3-4b [ATTN=sdpa|flash_attention_4] [LAYERS=N] python benchmarks/peers/trl_sft_preset.py SEQ_LEN STEPS
 (needs TRL: pip install trl==1.16.0); writes trl_<preset>_<SEQ_LEN>.json into $OUT or the current folder."""
-import os, sys, json, resource
+import json
+import os
+import resource
+import sys
+
 import torch
+from peer_common import StepTimer, random_rows, word_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
-from peer_common import StepTimer, random_rows, word_tokenizer
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from ulysses_train.model.build import PRESETS
 

@@ -14,10 +14,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..sp.attention import ATTN_NAME
-from .buffers import restore_fp32_buffers
 from ..errors import ConfigError
 from ..paths import local_or_hub, looks_like_hub_id
+from ..sp.attention import ATTN_NAME
+from .buffers import restore_fp32_buffers
 from .config_check import check_layers, check_model_config, unknown_model_type
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, head_dim=128, attention_bias=False, attention_dropout=0.0,

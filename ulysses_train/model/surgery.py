@@ -34,20 +34,34 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..levers.checkpointing import make_checkpoint_fn
-from ..levers.fused_kernels import (GatedMulFunction, RotaryFunction, fused_norm_forward, kernels_run_on,
-                                    rotary_fits, triton_importable)
+from ..levers.fused_kernels import (
+    GatedMulFunction,
+    RotaryFunction,
+    fused_norm_forward,
+    kernels_run_on,
+    rotary_fits,
+    triton_importable,
+)
 from ..levers.lean_norm import lean_forward
 from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
 from ..levers.placement import layer_places
+from ..levers.policy import LeverRequest, Levers
 from ..levers.segments import SegmentChain
-from ..levers.policy import Levers, LeverRequest
 from ..levers.tiled_mlp import tiled_forward
 from ..sp.all_to_all import group_size
-from ..sp.deltanet import is_deltanet, layout_of as deltanet_layout, sp_forward as deltanet_forward
+from ..sp.deltanet import is_deltanet
+from ..sp.deltanet import layout_of as deltanet_layout
+from ..sp.deltanet import sp_forward as deltanet_forward
 from ..sp.linear_kernel import LinearKernel, choose_linear_kernel
-from .matching import (computes_llama_rotary, gated_mlp_activation, rebind_global, rms_norm_rule,
-                       rotary_keeps_input_dtype, uses_global)
+from .matching import (
+    computes_llama_rotary,
+    gated_mlp_activation,
+    rebind_global,
+    rms_norm_rule,
+    rotary_keeps_input_dtype,
+    uses_global,
+)
 
 _SUBCLASSES: dict[tuple, type] = {}  # (original class, what replaces) -> the subclass swapped in
 

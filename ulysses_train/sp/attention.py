@@ -31,11 +31,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .support import LayerMixer, layer_mixers
 from .all_to_all import all_to_all, group_size
 from .kernels import KERNELS
 from .patterns import Pattern, chunk_documents
 from .ring import RingAttention
+from .support import LayerMixer, layer_mixers
 from .weak_group import WeakGroup
 
 ATTN_NAME = "ulysses"

@@ -19,6 +19,7 @@ from . import ring
 from .fa4_op import FORWARD_OP, VARLEN_FORWARD_OP, fa4_attention, fa4_varlen_attention
 from .patterns import FULL, Pattern, patterned_sdpa
 
+
 def _per_document(kernel, q, k, v, scale, docs):
     """Runs a dense causal kernel on each document separately (exact; efficient for book-length documents)."""
     rows = []

@@ -140,10 +140,9 @@ def check_args(a: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     """Settings and data are checked before any process group or model exists: a setting to change is one message
     (from rank 0) and exit code 2 on every rank."""
-    from ..data.corpus import load_tokenizer
-
     from transformers import AutoConfig
 
+    from ..data.corpus import load_tokenizer
     from ..sp.layout import LayoutFlags, Target, resolve_layout
 
     a = parse_args(argv)

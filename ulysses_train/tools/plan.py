@@ -24,13 +24,14 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..levers.memory import CUDA_OVERHEAD, estimate, fits, fits_on
-from ..levers.policy import GiB, DeviceInfo, LeverRequest, Levers, resolve_levers
+from ..levers.policy import DeviceInfo, GiB, LeverRequest, Levers, resolve_levers
 from ..model.geometry import geometry
 from ..sp.layout import Layout, LayoutFlags, Target, layout_or_refusal, resolve_layout
-from ..train.config.train_config import ring_size_number
 from ..train.config.ds_config import lever_choices
 from ..train.config.ds_file import load_ds_config
-from .plan_command import launch_command, main as plan_command_main
+from ..train.config.train_config import ring_size_number
+from .plan_command import launch_command
+from .plan_command import main as plan_command_main
 
 # cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices).
 # With the offload the checkpoints the GPU holds are placed by --gpu_checkpoints auto on every rung; segments
@@ -328,7 +329,7 @@ def _main(argv=None) -> int:
     config = load_model_config(a.model, a.model_config, a.num_layers)
     g = geometry(config)
     if a.use_peft or a.load_in_4bit:
-        from ..model.adapters import AdapterSpec, adapter_geometry, _names, parse_target_modules
+        from ..model.adapters import AdapterSpec, _names, adapter_geometry, parse_target_modules
 
         if not a.use_peft:
             raise ConfigError("--load_in_4bit plans QLoRA: add --use_peft")

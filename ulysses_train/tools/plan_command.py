@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
-from ..levers.policy import GiB, DeviceInfo, Levers, resolve_levers
+from ..levers.memory import estimate, fits, fits_on
+from ..levers.policy import DeviceInfo, GiB, Levers, resolve_levers
 from ..model.build import load_model_config
 from ..sp import dims
 from ..sp.layout import Layout, Target, resolve_layout
-from ..levers.memory import estimate, fits, fits_on
 from .preference_plan import pair_documents, preference_step_time, report_lines
 from .time_model import Constants, Run, step_time
 
@@ -92,9 +92,9 @@ class Plan:
 
 def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
-    from ..train.config.train_config import parse_args
     from ..train.config.ds_config import lever_choices, resolve_ds_config
     from ..train.config.ds_file import load_ds_config
+    from ..train.config.train_config import parse_args
     from ..train.preference.pairs import resolve_preference
     from ..train.run.trainer import run_geometry, run_levers
 

@@ -40,9 +40,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..levers.policy import Levers
 from ..levers.memory import NF4_BYTES
 from ..levers.placement import LayerPlace, layer_places
+from ..levers.policy import Levers
 from ..model.geometry import LayerShape, Span
 
 KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
@@ -441,9 +441,8 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
     """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
     the overlapped copies and collectives; `place` (levers/placement.py): where its checkpoint is, and whether it
     runs a regenerating forward (default: every checkpointed layer saves its input, offloaded with the offload)."""
-    g, lv, b, p = run.g, run.levers, run.act_bytes, _pass(run, c, shape)
+    g, lv, p = run.g, run.levers, _pass(run, c, shape)
     place = place or LayerPlace(checkpointed, on_host=lv.offload_activations and checkpointed)
-    t = run.micro * math.ceil(run.seq_len / run.sp)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
     keep = lv.keep_attention and shape.span.attention  # only attention kernels' outputs are kept
     forward = p.linear_fwd + p.lora_fwd + p.attn_fwd + p.elem_fwd + p.a2a

@@ -77,9 +77,9 @@ def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **
 def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
     """The run of a parsed config (`explicit`: the settings given, not defaulted; train/config/ds_config.py reconciles them
     with the DeepSpeed JSON)."""
-    from .step.loop import train as train_loop
     from .checkpoints.resume import NothingToDo
     from .run.trainer import Trainer
+    from .step.loop import train as train_loop
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_libraries()

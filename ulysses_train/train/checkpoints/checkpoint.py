@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CheckpointError, ConfigError
-from .disk_space import checkpoint_bytes, full_disk_note, remove_stale_temporaries, too_little_space
 from ..process.faults import inject_in_save
+from .disk_space import checkpoint_bytes, full_disk_note, remove_stale_temporaries, too_little_space
 from .manifest import complete_marker, damage, verify_checkpoint, write_manifest
 
 LATEST = "latest"

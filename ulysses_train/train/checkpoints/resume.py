@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from ...data.content import dataset_content
 from ...errors import CheckpointError, ConfigError
-from .checkpoint import read_trainer_state, resolve_resume, safe_loading
 from ..config.train_config import FREE_SETTINGS, SHAPE_SETTINGS, TrainConfig
+from .checkpoint import read_trainer_state, resolve_resume, safe_loading
 from .run_folder import check_writable, claim_for_fresh_run
 
 SCHEDULE_SETTINGS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "epochs", "warmup_ratio", "lr_scheduler_type")

@@ -20,8 +20,17 @@ import tempfile
 from typing import Callable, Optional
 
 from ...errors import ConfigError
-from .checkpoint import (LATEST, STEP_PREFIX, checkpoint_name, checkpoint_step, checkpoints_dir, folder_step,
-                         newest_complete, state_step, write_text_atomically)
+from .checkpoint import (
+    LATEST,
+    STEP_PREFIX,
+    checkpoint_name,
+    checkpoint_step,
+    checkpoints_dir,
+    folder_step,
+    newest_complete,
+    state_step,
+    write_text_atomically,
+)
 
 ABANDONED = "abandoned"
 METRICS = "metrics.jsonl"

@@ -22,10 +22,25 @@ from ...errors import ConfigError
 from ...levers.policy import LeverRequest
 from ...sp.layout import LayoutFlags
 from . import aliases, field_files, field_keys
-from .groups import (FLAGS, GROUPS, Settings, AdapterConfig, DataConfig, EvalConfig, LeverConfig, LogConfig, ModelConfig,
-                            OptimConfig, OutputConfig, ParallelConfig, PreferenceConfig, SFTConfig, VerifyConfig)
 from .ds_file import load_ds_config
 from .flag_checks import check_preference_flags, parse_report_to
+from .groups import (
+    FLAGS,
+    GROUPS,
+    AdapterConfig,
+    DataConfig,
+    EvalConfig,
+    LeverConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    OutputConfig,
+    ParallelConfig,
+    PreferenceConfig,
+    Settings,
+    SFTConfig,
+    VerifyConfig,
+)
 
 
 @dataclass

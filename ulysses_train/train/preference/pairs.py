@@ -32,7 +32,6 @@ from ..step.loop import forward_backward
 from ..step.shards import shard_batch
 from ..step.step_kind import StepKind
 
-
 _SFT_FORMAT_FLAGS = ("data_format", "text_column", "messages_field", "loss_on")
 
 

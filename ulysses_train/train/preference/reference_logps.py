@@ -49,9 +49,9 @@ import torch.distributed as dist
 
 from ...data.pair_packing import preference_batch
 from ...levers.preference_loss import PreferenceObjective
-from .pairs import shard_segments
 from ..process.faults import inject_in_reference
 from ..step.shards import shard_batch
+from .pairs import shard_segments
 
 REFERENCE_FORMAT = 1  # bump when what is computed or how it is keyed changes
 _PRIME = 2**31 - 1

@@ -43,23 +43,29 @@ from ...sp.layout import Layout, Target, resolve_layout
 from ...sp.support import describe_layers
 from ..checkpoints.checkpoint import load_checkpoint, newest_complete, save_checkpoint
 from ..checkpoints.disk_space import checkpoint_bytes, estimated_checkpoint_bytes, saved_parameters, too_little_space
-from ..config.train_config import TrainConfig, verify_seq_len, write_resolved_config
-from ..checkpoints.resume import (apply_optimizer_settings, apply_schedule, check_trained_shapes, dataset_setting, plan_run,
-                     training_settings)
+from ..checkpoints.resume import (
+    apply_optimizer_settings,
+    apply_schedule,
+    check_trained_shapes,
+    dataset_setting,
+    plan_run,
+    training_settings,
+)
 from ..checkpoints.run_folder import abandon_newer
+from ..checkpoints.run_lock import RunLock
 from ..config.ds_config import lever_choices, resolve_ds_config, resolved_lr
 from ..config.ds_file import load_ds_config
-from ..process.faults import StopFlag
-from ..step.loop import TOKENS
+from ..config.train_config import TrainConfig, verify_seq_len, write_resolved_config
 from ..preference.pairs import PAIRS, preference_spec, resolve_preference
 from ..preference.reference_logps import check_reference_config, checkpoint_arrays, reference_logps
+from ..process.faults import StopFlag
 from ..process.launcher import exit_now
-from .preflight import preflight
-from ..checkpoints.run_lock import RunLock
-from ..step.schedule import lr_factor, warmup_steps
 from ..process.teardown import destroy_process_groups, release_engine
-from ..step.tracking import start_trackers
 from ..process.watchdog import Watchdog
+from ..step.loop import TOKENS
+from ..step.schedule import lr_factor, warmup_steps
+from ..step.tracking import start_trackers
+from .preflight import preflight
 
 
 def _init_distributed(backend: str) -> bool:

@@ -18,7 +18,6 @@ import math
 from typing import Callable, Optional
 
 
-
 def warmup_steps(steps: int, warmup: Optional[int], ratio: Optional[float]) -> int:
     """--warmup_steps when given and > 0 (as in transformers, it wins over the ratio), else ceil(ratio x steps),
     else a tenth of the steps."""

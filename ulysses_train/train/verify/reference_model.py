@@ -22,7 +22,6 @@ from ...sp.deltanet import is_deltanet
 from ...sp.linear_kernel import fla_problem
 from ...sp.sharding import IGNORE_INDEX, shift_labels
 
-
 REFERENCE_FP32_ATTENTION = "sdpa_all_heads"
 
 

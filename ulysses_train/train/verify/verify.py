@@ -46,10 +46,10 @@ import torch.distributed as dist
 from ...data.sources import trainable_tokens
 from ...errors import ConfigError
 from ..process.faults import NonFiniteError
-from ..step.loop import accumulate
 from ..run.trainer import verify_folder
-from .pairs import PreferenceReference, format_reference_line
+from ..step.loop import accumulate
 from .limits import BF16_FLOOR, FP32_LIMIT
+from .pairs import PreferenceReference, format_reference_line
 from .reference_model import reference_step, supports_sdpa
 
 STATS = ("loss", "grad_norm", "grad_whole", "grad_median", "grad_max")
