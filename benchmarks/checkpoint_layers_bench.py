@@ -5,7 +5,8 @@ benchmark, next to what the planner predicts for exactly those flags (time and p
 
 Runs `benchmarks/step_bench.py` once per setting, in order, each in its own process (JSON in DIR/<label>.json),
 skipping a setting when what is left of the budget would not cover its model build, first step and timed steps;
-prints a table last. `--dry_run` prints the plans without running anything (it needs no GPU). Settings, most important first:
+prints a table last. `--dry_run` prints the plans without running anything (it needs no GPU).
+Settings, most important first:
 
     ckpt_64k_auto            64k, --checkpoint_layers auto (the planner's choice; --offload_activations)
     ckpt_131k_auto_untiled   131k, --checkpoint_layers auto --tiled_mlp off (the planner's fastest at 131k)

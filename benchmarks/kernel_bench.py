@@ -4,14 +4,15 @@
     python benchmarks/kernel_bench.py --dry        # CPU: tiny shapes through Triton's interpreter, a wiring check
 
 Each op, each implementation: the CUDA-event median of --repeats forward+backward calls after one warm-up (and of
-forward calls without autograd, in the JSON), every call on fresh inputs made before its timer starts (Liger's SwiGLU backward writes its gradients into its inputs,
-its RMSNorm backward into the output's gradient, and its rotary turns q and k in place); the peak memory above
-those inputs during the call (the inputs' gradients included); and the largest absolute difference of the outputs
-and every gradient from ours, on the same inputs.
+forward calls without autograd, in the JSON), every call on fresh inputs made before its timer starts (Liger's SwiGLU
+backward writes its gradients into its inputs, its RMSNorm backward into the output's gradient, and its rotary turns q
+and k in place); the peak memory above those inputs during the call (the inputs' gradients included); and the largest
+absolute difference of the outputs and every gradient from ours, on the same inputs.
 
 | op | eager | ours | Liger |
 |---|---|---|---|
-| loss | transformers' way: bf16 logits, upcast, cross-entropy | fused_linear_cross_entropy, 4,096-row chunks | liger_linear_cross_entropy as the trainer calls it (fp32 head-gradient sum); also with Liger's default bf16 sum |
+| loss | transformers' way: bf16 logits, upcast, cross-entropy | fused_linear_cross_entropy, 4,096-row chunks |
+  liger_linear_cross_entropy as the trainer calls it (fp32 head-gradient sum); also with Liger's default bf16 sum |
 | RMSNorm | Qwen3RMSNorm.forward | rms_norm (lean, fused) | LigerRMSNormFunction (llama casting) |
 | SwiGLU | silu(gate) * up | SiLUMulFunction | LigerSiLUMulFunction |
 | rotary | apply_rotary_pos_emb on q and k | RotaryFunction on q, then k | LigerRopeFunction on q and k |

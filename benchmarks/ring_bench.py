@@ -4,9 +4,10 @@ against one call of the same kernel over the whole sequence.
     python benchmarks/ring_bench.py --json /tmp/ring_bench.json [--seq 131072] [--rings 2 4] [--kernels ...]
 
 Every rank of the ring is run in turn in this process (its chunks and the K/V blocks are there already, so neither
-the split nor any communication is timed): each one's kernel calls on each block (ulysses_train/sp/ring.py: `step_tiles`), the log-sum-exp merge of
-their outputs, and in the backward the kernel's backward on each block from the merged output, with dq, dk and dv
-summed. What this measures is what the ring adds to the attention kernel itself: more, smaller calls and the merges.
+the split nor any communication is timed): each one's kernel calls on each block (ulysses_train/sp/ring.py:
+`step_tiles`), the log-sum-exp merge of their outputs, and in the backward the kernel's backward on each block from the
+merged output, with dq, dk and dv summed. What this measures is what the ring adds to the attention kernel itself: more,
+smaller calls and the merges.
 The goal (issue: hybrid Ulysses x ring) is at most 5% at R=2 and 10% at R=4 at 131k tokens.
 
 Head shape of Qwen3-4B by default (32 query heads, 8 KV heads, head_dim 128, bf16), forward+backward, each kernel

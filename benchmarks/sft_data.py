@@ -15,7 +15,8 @@ import json
 import os
 import random
 
-WORDS = "river stone lantern orchard meadow harbor thunder willow copper violet canyon ember frost garden island".split()
+WORDS = ("river stone lantern orchard meadow harbor thunder willow copper violet canyon ember frost garden "
+         "island").split()
 
 
 def filler(rng: random.Random, chars: int) -> str:
@@ -36,7 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "chat.jsonl"), "w") as chat, open(os.path.join(args.out, "text.jsonl"), "w") as text:
+    with open(os.path.join(args.out, "chat.jsonl"), "w") as chat, \
+            open(os.path.join(args.out, "text.jsonl"), "w") as text:
         for _ in range(args.count):
             document = filler(rng, rng.randint(args.min_chars, args.max_chars))
             answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 200)))

@@ -76,7 +76,8 @@ def print_breakdown(result: dict) -> None:
         print(f"{name:<14}{secs:8.2f}{rate}{floor}")
     print(f"{'sum':<14}{sum(result['kernel_s'].values()):8.2f}  (step {result['median_step_s']:.2f} s)")
     if result.get("gpu_streams"):
-        print("GPU busy (s, union of intervals): " + ", ".join(f"{k} {v:.2f}" for k, v in result["gpu_streams"].items()))
+        print("GPU busy (s, union of intervals): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in result["gpu_streams"].items()))
     for category, name, launches, secs in result.get("kernel_top", [])[:15]:
         print(f"  {secs:7.3f} s {launches:6d}x  {category:<13} {name[:80]}")
 

@@ -41,9 +41,9 @@ from .train.config.groups import (
 )
 from .train.config.train_config import TrainConfig
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "train", "ModelConfig", "DataConfig", "SFTConfig", "PreferenceConfig",
-           "AdapterConfig", "OptimConfig", "ParallelConfig", "LeverConfig", "OutputConfig", "LogConfig", "EvalConfig",
-           "VerifyConfig", "all_to_all", "UlyssesAttention", "register_ulysses_attention",
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "train", "ModelConfig", "DataConfig", "SFTConfig",
+           "PreferenceConfig", "AdapterConfig", "OptimConfig", "ParallelConfig", "LeverConfig", "OutputConfig",
+           "LogConfig", "EvalConfig", "VerifyConfig", "all_to_all", "UlyssesAttention", "register_ulysses_attention",
            "fused_linear_cross_entropy", "global_token_count", "install_loss_head", "SequenceParallelGroups",
            "shard_sequence", "init_distributed", "sp_backward_scale"]
 __version__ = "0.1.0"

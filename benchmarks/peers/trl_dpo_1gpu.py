@@ -41,7 +41,8 @@ start = time.perf_counter()
 tr = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[timer])
 init_s = time.perf_counter() - start  # tokenizing and the reference log-probs of every pair
 lengths = [len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in tr.train_dataset]
-print(f"init {init_s:.1f} s (tokenizing, reference log-probs), sides of {min(lengths)}-{max(lengths)} tokens", flush=True)
+print(f"init {init_s:.1f} s (tokenizing, reference log-probs), sides of {min(lengths)}-{max(lengths)} tokens",
+      flush=True)
 torch.cuda.reset_peak_memory_stats()
 tr.train()
 res = dict(tool="trl_dpo", attn=ATTN, side=SIDE, T=T, layers=LAYERS, step_s=timer.times, init_s=init_s,

@@ -31,14 +31,16 @@ if preset.get("model_type") == "qwen3" and T > preset["max_position_embeddings"]
 cfg = AutoConfig.for_model(**preset)
 torch.manual_seed(0)
 with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=os.environ.get("ATTN", "sdpa"))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                             attn_implementation=os.environ.get("ATTN", "sdpa"))
 print("params", sum(p.numel() for p in model.parameters()) / 1e9, "B", flush=True)
 tok = word_tokenizer()
 ds = random_rows(cfg.vocab_size, T, STEPS)
 
 
 peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-args = SFTConfig(output_dir="/tmp/trl_lora_out", max_length=T, per_device_train_batch_size=1, max_steps=STEPS, bf16=True,
+args = SFTConfig(output_dir="/tmp/trl_lora_out", max_length=T, per_device_train_batch_size=1, max_steps=STEPS,
+                 bf16=True,
                  gradient_checkpointing=True, gradient_checkpointing_kwargs={"offload": True, "use_reentrant": False},
                  use_liger_kernel=os.environ.get("LIGER") == "1",
                  logging_steps=1, report_to="none", learning_rate=1e-4, save_strategy="no", dataloader_num_workers=0)

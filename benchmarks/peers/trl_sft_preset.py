@@ -26,7 +26,8 @@ if getattr(cfg, "layer_types", None):
     cfg.layer_types = cfg.layer_types[:cfg.num_hidden_layers]
 torch.manual_seed(0)
 with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=os.environ.get("ATTN", "sdpa"))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                             attn_implementation=os.environ.get("ATTN", "sdpa"))
 print("params", sum(p.numel() for p in model.parameters()) / 1e9, "B", flush=True)
 tok = word_tokenizer()
 ds = random_rows(cfg.vocab_size, T, STEPS)
@@ -38,7 +39,8 @@ args = SFTConfig(output_dir="/tmp/trl_out", max_length=T, per_device_train_batch
 timer = StepTimer()
 SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[timer]).train()
 res = dict(tool="trl", preset=os.environ.get("PRESET", "gemma3-4b"), attn=os.environ.get("ATTN", "sdpa"), T=T,
-           layers=cfg.num_hidden_layers, step_s=timer.times, median_s=sorted(timer.times[1:])[len(timer.times[1:]) // 2],
+           layers=cfg.num_hidden_layers, step_s=timer.times,
+           median_s=sorted(timer.times[1:])[len(timer.times[1:]) // 2],
            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
            host_maxrss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 print("RESULT", json.dumps(res), flush=True)

@@ -19,8 +19,8 @@ from .sources import ChatSource, CorpusSource
 
 @dataclass(frozen=True)
 class DataSettings:
-    """What the data layer reads of a run's configuration (train/config/train_config.py): the data group, the groups that say
-    which tokens of its rows are trained (sft; pref for preference pairs), and the two values it takes from
+    """What the data layer reads of a run's configuration (train/config/train_config.py): the data group, the groups
+    that say which tokens of its rows are trained (sft; pref for preference pairs), and the two values it takes from
     elsewhere. `TrainConfig.data_settings()` makes it."""
 
     data: Any  # DataConfig

@@ -105,7 +105,8 @@ class PairEncoder:
 
     def __init__(self, tokenizer, template: Optional[str], explicit_prompt: bool, dataset: Optional[str] = None,
                  conversational: Optional[bool] = None):
-        self.tokenizer, self.template, self.explicit_prompt, self.dataset = tokenizer, template, explicit_prompt, dataset
+        self.tokenizer, self.template, self.explicit_prompt, self.dataset = (tokenizer, template, explicit_prompt,
+                                                                             dataset)
         self.conversational = template is not None if conversational is None else conversational
 
     def check_values(self, row: dict, index: int) -> None:

@@ -9,10 +9,10 @@ writes the end of each turn) and the trained mask beside the tokens; their key a
 template's text and --loss_on.
 
 The key (`cache_settings`) covers the data (the tokenized dataset's fingerprint, and the local files' sizes and
-the digests of their bytes), the split, the text column, --max_tokens, and the tokenizer's identity (its whole serialised vocabulary,
-normaliser and pre-tokeniser where it has them, else its vocabulary and settings), so a run never reads tokens that
-another setting produced. A store is built in a private temporary folder and published by one atomic rename, so
-runs that build the same store at the same time cannot interleave their files: the first rename wins and the
+the digests of their bytes), the split, the text column, --max_tokens, and the tokenizer's identity (its whole
+serialised vocabulary, normaliser and pre-tokeniser where it has them, else its vocabulary and settings), so a run never
+reads tokens that another setting produced. A store is built in a private temporary folder and published by one atomic
+rename, so runs that build the same store at the same time cannot interleave their files: the first rename wins and the
 others read the winner's store (the same tokens). A store that fails its checks (a truncated array, a size that
 disagrees with settings.json) is reported by path and rebuilt.
 """

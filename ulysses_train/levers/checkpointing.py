@@ -2,10 +2,10 @@
 
 Selective checkpointing that saves the attention kernel's outputs (the output and its log-sum-exp) in the forward,
 so the recompute before a layer's backward re-runs everything except the kernel, the most expensive op at long
-context (what keeping them saves: docs/benchmarks.md, "What each lever buys"). Costs `layers x (s/sp) x hidden x 2 bytes` of memory; with the host offload
-(offload.py) the kept outputs go to the host with the checkpoints, for the layers placed there
-(levers/placement.py). model/surgery.py installs a function per layer: its place, and its segment under
-`--checkpoint_every` (segments.py).
+context (what keeping them saves: docs/benchmarks.md, "What each lever buys"). Costs `layers x (s/sp) x hidden x 2
+bytes` of memory; with the host offload (offload.py) the kept outputs go to the host with the checkpoints, for the
+layers placed there (levers/placement.py). model/surgery.py installs a function per layer: its place, and its segment
+under `--checkpoint_every` (segments.py).
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ direction that reads its input once and writes its output once:
 Liger-Kernel ships similar kernels (benchmarks/kernel_bench.py; the comparison is in docs/benchmarks.md, "Kernels:
 ours against Liger-Kernel and eager PyTorch"): Liger's rotary rounds each product to the bf16 of cos and sin, where
 ours computes in fp32 and rounds once. Ours keep lean_norm's saving and layout rules,
-stay within the ops the trainer already patches, and run on the CPU through Triton's interpreter (TRITON_INTERPRET=1), where the tests compare them with
-transformers' own functions, forward and backward. Liger's fused linear cross-entropy, faster than our loss, is
-the default loss on CUDA (levers/loss.py). Triton is imported only when a kernel first runs. What they save in a
-step: docs/benchmarks.md ("Our fused kernels against the ops they replace").
+stay within the ops the trainer already patches, and run on the CPU through Triton's interpreter (TRITON_INTERPRET=1),
+where the tests compare them with transformers' own functions, forward and backward. Liger's fused linear cross-entropy,
+faster than our loss, is the default loss on CUDA (levers/loss.py). Triton is imported only when a kernel first runs.
+What they save in a step: docs/benchmarks.md ("Our fused kernels against the ops they replace").
 """
 
 from __future__ import annotations

@@ -11,10 +11,12 @@ rank (b bytes each, the activation dtype):
 | normed x | H | q, k, v projections |
 | q, k before their norms (Qwen3) | A + KV | the q and k norms |
 | q, k, v as the kernel gets them | A + 2 KV' | the attention kernel (KV' = KV heads after replication for sp > KV) |
-| attention output | A | the kernel (its output, with an fp32 log-sum-exp per head) and the output projection; with sp > 1 the all-to-all makes a second copy (+A) |
+| attention output | A | the kernel (its output, with an fp32 log-sum-exp per head) and the output projection; with
+  sp > 1 the all-to-all makes a second copy (+A) |
 | h = x + attention | H | the post-attention norm |
 | normed h | H | gate and up projections (and the tiled MLP, which saves nothing else) |
-| MLP | 4 I: gate, silu(gate), up, product; 3 I with the fused SwiGLU (no silu(gate)); 0 with the tiled MLP | silu, the product, the down projection |
+| MLP | 4 I: gate, silu(gate), up, product; 3 I with the fused SwiGLU (no silu(gate)); 0 with the tiled MLP | silu, the
+  product, the down projection |
 
 plus per row fp32: the four norms' (2 + heads + KV heads) and the log-sum-exp (heads). Without the lean norms each
 norm also keeps an fp32 copy of its input (4 bytes per element: 2H + A + KV). Rotary saves only cos and sin, shared

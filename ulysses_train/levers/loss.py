@@ -8,9 +8,9 @@ The fused loss must (1) take its gradient in the forward, so backward never reco
 recomputes them), (2) run inside the LM head module's own forward so that ZeRO-3 gathers the (possibly tied) head
 weight and reduces its gradient, and (3) share the SP normaliser. Two kernels do (1), chosen by `--loss_kernel`
 (levers/policy.py): Liger-Kernel's fused linear cross-entropy, the default on CUDA (its kernel is faster than ours:
-docs/benchmarks.md, "Kernels: ours against Liger-Kernel and eager PyTorch"), and ours below, which runs everywhere (the CPU included) and whose chunk size is
-`--loss_chunk_size`. Both run inside `LMHeadWithLoss.forward` for (2), and Liger's sums (reduction "sum") are
-divided by our normaliser for (3).
+docs/benchmarks.md, "Kernels: ours against Liger-Kernel and eager PyTorch"), and ours below, which runs everywhere (the
+CPU included) and whose chunk size is `--loss_chunk_size`. Both run inside `LMHeadWithLoss.forward` for (2), and Liger's
+sums (reduction "sum") are divided by our normaliser for (3).
 """
 
 from __future__ import annotations

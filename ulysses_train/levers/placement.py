@@ -8,14 +8,14 @@ keep what they save (their input, and kept attention outputs) on the GPU, the ot
 as before. Why a split: offloading every checkpoint leaves most of the GPU empty while the host runs out first
 (Qwen3-8B on one H200: host-bound near 420k tokens with ~100 GiB of the GPU unused). `auto` leaves every
 checkpoint on the host while the host holds them all (their copies overlap compute, so keeping some on the GPU would
-only raise its peak); when it does not, it keeps as many on the GPU as fit after the working set (model states, the largest layer's working memory, the loss head; within
-GPU_CHECKPOINT_FRACTION of the device, a margin beyond the estimate's own 95% for the two offloaded layers in
-flight and the allocator's fragments between long-lived checkpoints).
+only raise its peak); when it does not, it keeps as many on the GPU as fit after the working set (model states, the
+largest layer's working memory, the loss head; within GPU_CHECKPOINT_FRACTION of the device, a margin beyond the
+estimate's own 95% for the two offloaded layers in flight and the allocator's fragments between long-lived checkpoints).
 
 Why the LAST layers: the backward consumes them first, so it starts on checkpoints already on the GPU while the
 first host copies come back, and every offloaded checkpoint (an early layer's) has the whole backward of the
-GPU-resident layers to come back in, and in the forward every later layer's compute to go out in. The early layers' checkpoints are also
-the longest-lived (written first, read last): those are the ones worth moving. (Megatron and NeMo's
+GPU-resident layers to come back in, and in the forward every later layer's compute to go out in. The early layers'
+checkpoints are also the longest-lived (written first, read last): those are the ones worth moving. (Megatron and NeMo's
 `cpu_offloading_num_layers` offload the first N layers and keep the last on the GPU, the same order; DeepSpeed's
 `cpu_checkpointing` and ALST offload every checkpoint.)
 

@@ -62,7 +62,8 @@ class LeverRequest:
 
     @classmethod
     def from_config(cls, levers, adapter_dropout: float = 0.0) -> "LeverRequest":
-        """The request of the run's levers group (train/config/train_config.py LeverConfig) and its adapters' dropout."""
+        """The request of the run's levers group (train/config/train_config.py LeverConfig)
+        and its adapters' dropout."""
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(levers.lean_norm, levers.lean_norm)
         return cls(levers.loss, levers.gradient_checkpointing, levers.attn_recompute, levers.offload_activations,
                    levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights, levers.loss_kernel,
@@ -258,9 +259,10 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     config fixes (tools/plan.py: ds_config_choices), `fits(levers, share=0.95)` whether given levers fit the
     device within that share of its memory (the planner's estimate, levers/memory.py: fits_on; with `host=False`
     the GPU alone), for `--checkpoint_layers auto`, `--gpu_checkpoints auto` and `--checkpoint_every auto`, and for
-    `--attn_recompute auto` and `--tiled_mlp auto` in the families whose memory estimate is measured. Where checkpoints go is judged last: the
-    levers that save time (fewer checkpointed layers, kept outputs, a whole MLP) take the GPU's memory first, the
-    checkpoints kept on the GPU what is left (they save host memory and copies, hidden behind compute anyway)."""
+    `--attn_recompute auto` and `--tiled_mlp auto` in the families whose memory estimate is measured. Where checkpoints
+    go is judged last: the levers that save time (fewer checkpointed layers, kept outputs, a whole MLP) take the GPU's
+    memory first, the checkpoints kept on the GPU what is left (they save host memory and copies, hidden behind
+    compute anyway)."""
     ds_choices = ds_choices or {}
     why = {}
     offload = request.offload_activations and device.type == "cuda"

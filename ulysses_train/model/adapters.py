@@ -24,9 +24,9 @@ the levers' surgery (model/surgery.py). What that gives:
   the same thing (the original is only used with the adapter disabled). With tied embeddings, PEFT's
   `ensure_weight_tying` ties the copies, which is what training the one tied weight in place does.
 
-Checkpoints hold the trainable parameters and their optimizer states (train/checkpoints/checkpoint.py); export writes a PEFT
-adapter folder or a merged model (train/checkpoints/export_model.py); `--verify` compares against plain transformers + PEFT on the same
-weights (train/verify/reference_model.py). The names below map our parameters to PEFT's.
+Checkpoints hold the trainable parameters and their optimizer states (train/checkpoints/checkpoint.py); export writes a
+PEFT adapter folder or a merged model (train/checkpoints/export_model.py); `--verify` compares against plain
+transformers + PEFT on the same weights (train/verify/reference_model.py). The names below map our parameters to PEFT's.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class AdapterSpec:
 
     @classmethod
     def from_config(cls, adapters) -> Optional["AdapterSpec"]:
-        """The run's adapters (its adapters group: train/config/train_config.py AdapterConfig), or None without --use_peft."""
+        """The run's adapters (its adapters group: train/config/train_config.py AdapterConfig),
+        or None without --use_peft."""
         if not adapters.use_peft:
             return None
         import importlib.util

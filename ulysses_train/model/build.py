@@ -226,7 +226,8 @@ def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[
     if model:
         try:
             built = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype,
-                                                         attn_implementation=ATTN_NAME, **quantized_loading(quantization))
+                                                         attn_implementation=ATTN_NAME,
+                                                         **quantized_loading(quantization))
         except pickle.UnpicklingError:  # torch's weights_only refusal, whose advice is to turn the protection off
             raise ConfigError(f"--model {model}: {_pickle_files(model)} holds Python objects besides tensors, which "
                               f"the trainer never unpickles (loading them could run any code); from a copy you "

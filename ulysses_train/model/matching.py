@@ -5,8 +5,8 @@ computes: a probe runs the original (the class's own `forward` on stand-in weigh
 function) and the reference formulas on the same small random input, and they must agree bit for bit in fp32. So a
 transformers release that rewrites a norm without changing it still matches (and which of the norm arithmetics or
 gated activations it computes is what the lever then runs), while a variant none of them covers (Gemma 4's
-`pow(-0.5)` norm, GLM's interleaved rotary, an ungated MLP) does not, and keeps its own ops. The probes run on the CPU on tiny
-tensors, once per forward (or function).
+`pow(-0.5)` norm, GLM's interleaved rotary, an ungated MLP) does not, and keeps its own ops. The probes run on the CPU
+on tiny tensors, once per forward (or function).
 
 Why probes rather than transformers' extension point: transformers marks these layers for replacement through hub
 kernels (`use_kernel_forward_from_hub("RMSNorm")`, `use_kernelized_func(apply_rotary_pos_emb)`), which needs the

@@ -1,10 +1,10 @@
 """PEFT's adapter folder from a --use_peft checkpoint: what `PeftModel.from_pretrained(base, folder)` and vLLM's
 LoRA loader read (adapter_config.json with the base model's id or path, adapter_model.safetensors).
 
-Every checkpoint of an adapter run holds it at its top (train/checkpoints/checkpoint.py writes it before the manifest), and
-`export` writes it on its own (train/checkpoints/export_model.py). Both go through PEFT's own `save_pretrained` on a PeftModel built
-on the meta device from the run's config, with the trained values put in, so the file's names and layout are
-PEFT's by construction rather than a copy of its conventions. The values are DeepSpeed's fp32 master weights,
+Every checkpoint of an adapter run holds it at its top (train/checkpoints/checkpoint.py writes it before the manifest),
+and `export` writes it on its own (train/checkpoints/export_model.py). Both go through PEFT's own `save_pretrained` on a
+PeftModel built on the meta device from the run's config, with the trained values put in, so the file's names and layout
+are PEFT's by construction rather than a copy of its conventions. The values are DeepSpeed's fp32 master weights,
 consolidated from the ZeRO shards on the CPU (zero_to_fp32, by the caller): the adapters as trained, not rounded
 to bf16.
 """

@@ -3,13 +3,19 @@ modules it expects to patch, and the lever and flag that ask for it.
 
 | patch | replaces | expects |
 |---|---|---|
-| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying (a LoRA'd head: the base layer's, and the forward of PEFT's layer around it by `lora_head_forward`) | the output embedding |
-| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours, one per layer with its place (`--checkpoint_layers N`: the layers after the first N are not checkpointed; `--gpu_checkpoints`: which offload; `--checkpoint_every`: its segment) | every decoder layer |
-| RMSNorm | the forward of each norm computing Llama's, T5's or the zero-centred RMSNorm, by the lean (or fused) one in the same arithmetic | every `*RMSNorm` module |
+| loss head | the LM head's class (nn.Linear) by `LMHeadWithLoss`: same parameters and tying (a LoRA'd head: the base
+  layer's, and the forward of PEFT's layer around it by `lora_head_forward`) | the output embedding |
+| checkpointing | `_gradient_checkpointing_func` of every layer transformers checkpoints, by ours, one per layer with
+  its place (`--checkpoint_layers N`: the layers after the first N are not checkpointed; `--gpu_checkpoints`: which
+  offload; `--checkpoint_every`: its segment) | every decoder layer |
+| RMSNorm | the forward of each norm computing Llama's, T5's or the zero-centred RMSNorm, by the lean (or fused) one in
+  the same arithmetic | every `*RMSNorm` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
-| gated MLP | the forward of each MLP computing down(act(gate) * up) with silu or tanh GELU, by the fused product | every dense `*.mlp` |
+| gated MLP | the forward of each MLP computing down(act(gate) * up) with silu or tanh GELU, by the fused product |
+  every dense `*.mlp` |
 | tiled MLP | the forward of each dense MLP, by DeepSpeed's TiledMLP over sequence tiles | every dense `*.mlp` |
-| DeltaNet mixer | the forward of each Gated DeltaNet mixer, by ours (sp/deltanet.py): the rule's kernel of --linear_kernel, the head all-to-all under SP, restarts at packed documents | every `linear_attention` layer's mixer |
+| DeltaNet mixer | the forward of each Gated DeltaNet mixer, by ours (sp/deltanet.py): the rule's kernel of
+  --linear_kernel, the head all-to-all under SP, restarts at packed documents | every `linear_attention` layer's mixer |
 
 What a module computes decides whether it is patched (model/matching.py), not how its code is spelt. A lever the
 policy turned on that patches no module is an error naming its flag when the flag asked for it, and under `auto`

@@ -79,7 +79,8 @@ def _with_sink(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> 
 
 def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: Optional[float],
               sinks: Optional[Tensor]) -> Tensor:
-    """Scores in plain ops (softmax in fp32 at least): q (b, h, n, d), k/v (b, kv, m, d), mask (n, m) -> (b, h, n, d)."""
+    """Scores in plain ops (softmax in fp32 at least): q (b, h, n, d), k/v (b, kv, m, d), mask (n, m)
+    -> (b, h, n, d)."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = q @ k.transpose(-1, -2)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale

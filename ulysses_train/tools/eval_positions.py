@@ -262,8 +262,10 @@ def write_results(a: argparse.Namespace, losses: torch.Tensor, ids: torch.Tensor
         json.dump(line, f)
     rise = summary["first_rise_position"]
     print(f"last {summary['tail_tokens']:,} tokens: mean loss {summary['tail_mean']:.4f} (unigram entropy "
-          f"{entropy:.4f}); {'no rise' if rise is None else f'loss first rises {a.threshold} nats above the early mean at position {rise:,}'}"
-          f" -> {a.out}")
+          f"{entropy:.4f}); "
+          + ('no rise' if rise is None
+             else f'loss first rises {a.threshold} nats above the early mean at position {rise:,}')
+          + f" -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT when it is a folder that holds files")
     args = parser.parse_args(argv)
     try:
-        print(f"exported to {export(args.checkpoint, args.out, args.dtype, args.merge, args.base_model, args.overwrite)}")
+        print(f"exported to "
+              f"{export(args.checkpoint, args.out, args.dtype, args.merge, args.base_model, args.overwrite)}")
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

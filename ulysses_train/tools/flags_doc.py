@@ -1,6 +1,7 @@
 """`python -m ulysses_train.tools.flags_doc`: writes docs/flags.md, the reference of every flag of launch/train.py,
-from the trainer's own parser (`build_parser()` in train/config/train_config.py) and the field's names (train/config/aliases.py), and
-docs/field-keys.md, what each key of a TRL or axolotl config means here (train/config/field_keys.py).
+from the trainer's own parser (`build_parser()` in train/config/train_config.py) and the field's names
+(train/config/aliases.py), and docs/field-keys.md, what each key of a TRL or axolotl config means here
+(train/config/field_keys.py).
 
 The page has one section per argument group of the parser, in the parser's order, and in it one row per flag: its
 canonical name, the other names that reach it, what it takes (a type or the choices), its default and its help. The
@@ -146,11 +147,11 @@ def _alias_sections() -> list[str]:
 def render_field_keys() -> str:
     """docs/field-keys.md: every key of the field's configs that this trainer reads, and what it means here."""
     lines = ["# TRL and axolotl keys", "",
-             f"Generated from `ulysses_train/train/config/field_keys.py` by `{COMMAND}`; do not edit by hand. A YAML file "
-             "(`--config`) or a dict given to `train()` may hold the keys of TRL's `SFTConfig` and `DPOConfig` "
-             "(transformers' `TrainingArguments` with them, and the `ModelConfig` and `ScriptArguments` of TRL's "
-             "scripts) and of axolotl's configs. Each is read with its meaning here: the flags of the same name and "
-             "the aliases of [flags.md](flags.md#the-fields-names), and the keys below. A key set to null is not "
+             f"Generated from `ulysses_train/train/config/field_keys.py` by `{COMMAND}`; do not edit by hand. "
+             "A YAML file (`--config`) or a dict given to `train()` may hold the keys of TRL's `SFTConfig` and "
+             "`DPOConfig` (transformers' `TrainingArguments` with them, and the `ModelConfig` and `ScriptArguments` of "
+             "TRL's scripts) and of axolotl's configs. Each is read with its meaning here: the flags of the same name "
+             "and the aliases of [flags.md](flags.md#the-fields-names), and the keys below. A key set to null is not "
              "set. Every key that has no meaning here is refused, all of them in one message, each with what to use "
              "instead.", "",
              "## Keys read with the rest of the file", "", "| key | meaning here |", "|---|---|"]

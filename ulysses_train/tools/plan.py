@@ -11,8 +11,8 @@
 The memory of a run, per GPU and for the host, is levers/memory.py's estimate (the trainer's `--checkpoint_layers
 auto` asks the same one). It first says what the default flags do (the levers come from the same policy as the
 trainer's, levers/policy.py), then the cheapest levers that fit. Where the heads forbid a pure Ulysses split of an
-SP size, it plans that size with the ring `--ring_size auto` would choose. The formulas are in docs/memory.md with a comparison against the
-peaks measured on the H200."""
+SP size, it plans that size with the ring `--ring_size auto` would choose. The formulas are in docs/memory.md with a
+comparison against the peaks measured on the H200."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The planner on a command: `python -m ulysses_train.plan [--gpus N ...] -- <flags of launch/train.py>`.
 
 The flags go through the trainer's own parser (train/config/train_config.py), DeepSpeed config reconciliation
-(train/config/ds_config.py) and lever resolution (train/run/trainer.py: run_levers, the policy of levers/policy.py), for the
-planned machine, so the plan is of the run those flags start. It prints that run's memory (tools/plan.py) and step
+(train/config/ds_config.py) and lever resolution (train/run/trainer.py: run_levers, the policy of levers/policy.py), for
+the planned machine, so the plan is of the run those flags start. It prints that run's memory (tools/plan.py) and step
 time (tools/time_model.py). With `--fastest` it searches, on the same GPUs (and nodes, 8 GPUs a node), the SP size,
 the levers (kept attention, the offload, the tiled MLP, the optimizer on the GPU or the CPU), how many layers to
 checkpoint and the micro-batch (micro x accumulation held at what the flags give), for the least time per sequence
@@ -205,8 +205,8 @@ def report(plan: Plan, c: Command, machine: Machine) -> str:
     lines = [f"{g['params'] / 1e9:.2f}B params, {g['layers']} layers, {seq_len:,} tokens, {machine.gpus} GPU(s) "
              f"(sp {plan.sp} x dp {machine.gpus // plan.sp}), micro {plan.micro} x accum {plan.accum}, kernel "
              f"{c.kernel}",
-             f"levers: {plan.levers.flags(c.ds_config)}, fused kernels {plan.levers.fused_kernels}, checkpointed layers "
-             f"{plan.levers.checkpointed(g['layers'])} of {g['layers']}",
+             f"levers: {plan.levers.flags(c.ds_config)}, fused kernels {plan.levers.fused_kernels}, checkpointed "
+             f"layers {plan.levers.checkpointed(g['layers'])} of {g['layers']}",
              f"memory: {plan.memory['gpu_total'] / GiB:.1f} GiB per GPU of {machine.gpu_mem / GiB:.1f}, "
              f"{plan.memory['host_total'] / GiB:.1f} GiB per node of {machine.host_mem / GiB:.1f}: "
              f"{'fits' if plan.fits else 'does not fit'}"]

@@ -7,9 +7,9 @@ Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks
                 at the kernel's forward rate, the pairs per document: doc^2 / 2 for full causal attention, for a
                 sliding window w the exact sum of min(t + 1, w) over positions t (FA4: the pairs of its whole tiles,
                 at its window share of the rate), for chunked attention doc^2 / 2 per chunk; heads wider than 128
-                at the kernel's wide-head share; a Gated DeltaNet layer's recurrence linear in T (a rough count, at a guessed rate); norms,
-                rotary and SwiGLU per token and width (fused or eager rates); residual adds at HBM bandwidth; the
-                Ulysses all-to-all of q, k, v and the output (sp > 1)
+                at the kernel's wide-head share; a Gated DeltaNet layer's recurrence linear in T (a rough count, at a
+                guessed rate); norms, rotary and SwiGLU per token and width (fused or eager rates); residual adds at HBM
+                bandwidth; the Ulysses all-to-all of q, k, v and the output (sp > 1)
     recompute   a checkpointed layer runs its forward again before its backward, without the attention kernel when
                 its outputs are kept (`--attn_recompute never`: a DeltaNet layer keeps nothing and runs again); an
                 uncheckpointed layer (`--checkpoint_layers`) not at all
@@ -25,9 +25,9 @@ Under --use_peft (`g["adapters"]`, model/adapters.py) a frozen weight has no gra
 linear layer is its input's gradient alone (once, not twice, its forward's FLOPs), a frozen LM head costs the loss 4
 instead of 6 x T x vocab x hidden, the optimizer steps the trainable parameters only and ZeRO-3 reduce-scatters
 only their gradients; the adapters add their own work, counted at HBM speed since a rank-r product is bound by
-reading and writing its activations (`_lora_seconds`). Not measured against a GPU yet. The all-to-all runs on the compute
-stream and is not overlapped. Rates and bandwidths are `Constants`: H200 defaults fitted to the steps measured in
-docs/results (benchmarks/time_vs_measured.py prints the comparison; docs/time.md has it), or measured on the
+reading and writing its activations (`_lora_seconds`). Not measured against a GPU yet. The all-to-all runs on the
+compute stream and is not overlapped. Rates and bandwidths are `Constants`: H200 defaults fitted to the steps measured
+in docs/results (benchmarks/time_vs_measured.py prints the comparison; docs/time.md has it), or measured on the
 current machine by `python -m ulysses_train.plan --calibrate FILE` (tools/calibrate.py).
 """
 
@@ -589,8 +589,8 @@ def _regenerating_layer(run: Run, c: Constants, shape: LayerShape, place: LayerP
 
 def forward_time(run: Run, c: Constants = Constants()) -> float:
     """Seconds of one micro-batch's forward alone on one rank, without a gradient (DPO's reference pass,
-    train/preference/reference_logps.py): every layer once with its ZeRO-3 gather overlapped, and the head's log-probs (2 x T x
-    vocabulary x hidden at our loss's rate)."""
+    train/preference/reference_logps.py): every layer once with its ZeRO-3 gather overlapped, and the head's log-probs
+    (2 x T x vocabulary x hidden at our loss's rate)."""
     g = run.g
     t = run.micro * math.ceil(run.seq_len / run.sp)
     total = 2 * t * g["vocab"] * g["hidden"] / (c.loss_tflops * 1e12)

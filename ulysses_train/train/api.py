@@ -6,8 +6,8 @@
     result.eval_loss, result.checkpoint, result.metrics
 
 `train` runs as one process, or as one rank under any launcher (deepspeed, torchrun, accelerate, srun: every rank
-calls it). Settings are read as the command line reads them (train/config/train_config.py): every flag and its aliases, the same
-checks. It returns a `TrainResult` and never exits the interpreter: a setting to change raises ConfigError, a
+calls it). Settings are read as the command line reads them (train/config/train_config.py): every flag and its aliases,
+the same checks. It returns a `TrainResult` and never exits the interpreter: a setting to change raises ConfigError, a
 checkpoint that cannot be written or read CheckpointError, a non-finite loss NonFiniteError, SIGTERM or Ctrl-C
 before training `Interrupted`, anything else its own exception. When it returns or raises, the run has released
 what it held (the engine, the process groups it created, the watchdog's thread, signal handlers, the output
@@ -75,8 +75,8 @@ def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **
 
 
 def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
-    """The run of a parsed config (`explicit`: the settings given, not defaulted; train/config/ds_config.py reconciles them
-    with the DeepSpeed JSON)."""
+    """The run of a parsed config (`explicit`: the settings given, not defaulted; train/config/ds_config.py reconciles
+    them with the DeepSpeed JSON)."""
     from .checkpoints.resume import NothingToDo
     from .run.trainer import Trainer
     from .step.loop import train as train_loop

@@ -325,7 +325,8 @@ def _write_files(engine, tmp: str, step: int, trainer_state: dict, model_config,
             save_adapter_config(adapters, os.path.join(tmp, "model"), base_model)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        for name, values in (arrays or {}).items():  # relative paths: DPO's reference log-probs (train/preference/reference_logps.py)
+        # relative paths: DPO's reference log-probs (train/preference/reference_logps.py)
+        for name, values in (arrays or {}).items():
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 np.save(f, values)

@@ -55,8 +55,8 @@ def estimated_checkpoint_bytes(parameters: int, bytes_per_weight: int, adapters:
 
 
 def saved_parameters(module, adapters: bool) -> int:
-    """The parameters a checkpoint holds: every one, or under --use_peft the trained ones (train/checkpoints/checkpoint.py
-    leaves the frozen base out). Tied weights count once."""
+    """The parameters a checkpoint holds: every one, or under --use_peft the trained ones
+    (train/checkpoints/checkpoint.py leaves the frozen base out). Tied weights count once."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not adapters)
 
 

@@ -15,10 +15,10 @@ shapes are compared with those the checkpoint saved (check_trained_shapes), whic
 override that changes a shape, before DeepSpeed's load meets it.
 The learning-rate schedule is a pure function of the step and the flags (--lr, --steps or --epochs,
 --warmup_steps or --warmup_ratio, --lr_scheduler_type, --min_lr_ratio: schedule.py): a resumed run follows the
-schedule of a run launched with its own flags, from the resumed step on. With unchanged flags that is exactly the schedule the checkpoint was on; with a new --steps the lr jumps to
-the new schedule's value at that step (extending a finished cosine from 100 to 200 steps takes the lr from its
-floor back to the middle of the longer cosine, about 55% of --lr with the defaults: pass a lower --lr as well to
-continue lower).
+schedule of a run launched with its own flags, from the resumed step on. With unchanged flags that is exactly the
+schedule the checkpoint was on; with a new --steps the lr jumps to the new schedule's value at that step (extending a
+finished cosine from 100 to 200 steps takes the lr from its floor back to the middle of the longer cosine, about 55% of
+--lr with the defaults: pass a lower --lr as well to continue lower).
 """
 
 from __future__ import annotations

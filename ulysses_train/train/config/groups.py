@@ -2,7 +2,8 @@
 parallelism, levers, output, logging, evaluation, verification), each field a command-line flag with its type
 (`Literal[...]` for choices, built from the tuple of the module that acts on them), its bounds and its help.
 `FLAGS` reads them (types through typing.get_type_hints) for the parser, YAML files, `--help`, `config.yaml` and
-the Python API (train/config/train_config.py). Flag names are unique across the groups, and no group is named like a flag."""
+the Python API (train/config/train_config.py). Flag names are unique across the groups, and no group is named
+like a flag."""
 
 import dataclasses
 import difflib
@@ -270,10 +271,10 @@ class LeverConfig(Settings):
                                    "forward, so the full logits never exist. plain: the ordinary loss, for comparison.")
     loss_kernel: Literal[LOSS_KERNELS] = _f("auto", "Whose fused loss runs. liger: Liger-Kernel's fused linear "
                                             "cross-entropy (faster than ours on the H200: docs/benchmarks.md; it picks "
-                                            "its own chunks, about tokens x hidden logits). ours: ulysses_train's, chunked by "
-                                            "--loss_chunk_size, on any device. auto: liger on CUDA when liger-kernel "
-                                            "is installed and agrees with ours in a self-check at start-up, else ours "
-                                            "(the reason logged).")
+                                            "its own chunks, about tokens x hidden logits). ours: ulysses_train's, "
+                                            "chunked by --loss_chunk_size, on any device. auto: liger on CUDA when "
+                                            "liger-kernel is installed and agrees with ours in a self-check at "
+                                            "start-up, else ours (the reason logged).")
     loss_chunk_size: int = _f(4096, "Rows per chunk of our fused loss (--loss_kernel ours; peak loss memory ~ chunk x "
                               "vocab x 6 bytes in bf16).", gt=0)
     gradient_checkpointing: bool = _f(True, "Checkpoint every decoder layer (recompute it in backward).")
@@ -300,14 +301,14 @@ class LeverConfig(Settings):
     share_master_weights: bool = _f(True, "ZeRO-3 with master weights in the model's dtype (bf16 states, or fp32): the "
                                     "optimizer updates the model's partition in place instead of a copy of it (2 bytes "
                                     "per parameter less in bf16; the same numbers).")
-    lean_norm: Literal[LEAN_NORM] = _f("auto", "RMSNorms (Llama's, T5's, Gemma's 1 + weight) save their input in the model "
-                                       "dtype and one fp32 "
+    lean_norm: Literal[LEAN_NORM] = _f("auto", "RMSNorms (Llama's, T5's, Gemma's 1 + weight) save their input in the "
+                                       "model dtype and one fp32 "
                                        "number per row for the backward, instead of an fp32 copy of the input (4 bytes "
                                        "less per element in bf16; the same forward, bit for bit). auto: on where the "
                                        "model has such norms. on (true): required. off (false): transformers' norms.")
     fused_kernels: Literal[AUTO_ON_OFF] = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the "
-                                             "rotary embedding and the gated MLP's product (SwiGLU, Gemma's GeGLU): one "
-                                             "kernel each way instead of "
+                                             "rotary embedding and the gated MLP's product (SwiGLU, Gemma's GeGLU): "
+                                             "one kernel each way instead of "
                                              "up to seven small ones (docs/benchmarks.md). auto: on for CUDA devices "
                                              "with Triton installed, if a self-check against the ops they replace "
                                              "passes (else those ops, the reason logged). on: required. off: "

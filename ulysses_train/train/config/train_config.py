@@ -159,8 +159,8 @@ class TrainConfig(Settings):
             raise ConfigError("--val_set_size holds out part of --dataset as the eval set: leave --eval_dataset unset, "
                               "or --val_set_size 0")
         if held_out and self.pref.method != "sft":
-            raise ConfigError(f"--val_set_size is evaluated with the SFT loss; with --method {self.pref.method} leave it "
-                              f"unset")
+            raise ConfigError(f"--val_set_size is evaluated with the SFT loss; with --method {self.pref.method} leave "
+                              f"it unset")
         if held_out and not self.data.dataset:
             raise ConfigError("--val_set_size holds out part of --dataset: give --dataset")
         if held_out and ev.val_set_size >= 1 and ev.val_set_size != int(ev.val_set_size):
@@ -281,8 +281,9 @@ def _describe(bounds: dict) -> str:
 
 
 # Settings that do not change what is trained: a resumed run may change them freely. Every other flag alters the
-# weights, the data or the schedule, so changing it on resume needs --resume_override (train/checkpoints/resume.py); a new flag
-# belongs here only if that is clearly not so. sp_size is checked apart (the ZeRO shards are per data-parallel rank).
+# weights, the data or the schedule, so changing it on resume needs --resume_override (train/checkpoints/resume.py); a
+# new flag belongs here only if that is clearly not so. sp_size is checked apart (the ZeRO shards are per
+# data-parallel rank).
 FREE_SETTINGS = frozenset({
     "output_dir", "save_steps", "save_final", "save_total_limit", "resume", "resume_override",
     "overwrite_output_dir", "log_every", "progress", "tensorboard", "profile_memory", "num_proc", "data_cache_dir",
@@ -298,8 +299,9 @@ FREE_SETTINGS = frozenset({
 
 # Settings that decide which tensors are trained and their shapes: LoRA or every weight, the adapters' rank, the
 # modules that take adapters or are trained whole. A checkpoint holds exactly the tensors its run trained (under
-# --use_peft, no frozen weight) and their optimizer states, so no override can change them on resume (train/checkpoints/resume.py
-# refuses). --lora_alpha, --lora_dropout and --load_in_4bit change no trained tensor: they may be overridden.
+# --use_peft, no frozen weight) and their optimizer states, so no override can change them on resume
+# (train/checkpoints/resume.py refuses). --lora_alpha, --lora_dropout and --load_in_4bit change no trained tensor: they
+# may be overridden.
 SHAPE_SETTINGS = ("use_peft", "lora_r", "lora_target_modules", "lora_modules_to_save")
 
 

@@ -91,9 +91,9 @@ def objective_for(run, batch: dict, counts: torch.Tensor) -> PreferenceObjective
 
 
 def accumulate(run, step: int, finish: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """loop.accumulate_tokens for preference pairs: every micro-step of optimizer step `step` (1-based) and the optimizer
-    step unless `finish` is False. Returns the loss, [scored tokens, pairs] and whether the step was skipped; leaves
-    the step's metrics in `run.preference_stats`."""
+    """loop.accumulate_tokens for preference pairs: every micro-step of optimizer step `step` (1-based) and the
+    optimizer step unless `finish` is False. Returns the loss, [scored tokens, pairs] and whether the step was skipped;
+    leaves the step's metrics in `run.preference_stats`."""
     keys = run.spec.stat_keys()
     batches = [run.micro_batch(step - 1, m) for m in range(run.accum)]
     counts = step_counts(run, batches)

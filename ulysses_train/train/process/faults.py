@@ -13,11 +13,11 @@ training starts there is nothing to save: the signal interrupts the start-up (`I
 start of a step, `nan:STEP` makes that step's loss NaN, `kill:STEP` SIGKILLs rank 0 at the start of a step,
 `kill_in_save:STEP` SIGKILLs rank 0 in the middle of that step's checkpoint, `enospc_in_save:STEP` fails that
 save as a full disk would, `raise_in_reference:N` raises on every rank after the N-th micro-batch of DPO's
-reference pass (the pass stopped part way, as a crash would). Three hold a run where a test sends a signal, so that the outcome does not depend on how
-fast the run is: `hold_at:STEP` waits at the start of that step, on every rank, until the rank is asked to stop
-(SIGTERM, Ctrl-C, the launcher gone), then goes on; `busy_at:STEP` waits there as a rank inside a long kernel
-does, its signal handlers held back (SIGINT and SIGTERM blocked in the main thread), until the watchdog asks it to
-stop (the launcher gone), and prints `busy at step STEP` on rank 0 once it waits; `hold_in_save` waits in the
+reference pass (the pass stopped part way, as a crash would). Three hold a run where a test sends a signal, so that the
+outcome does not depend on how fast the run is: `hold_at:STEP` waits at the start of that step, on every rank, until the
+rank is asked to stop (SIGTERM, Ctrl-C, the launcher gone), then goes on; `busy_at:STEP` waits there as a rank inside a
+long kernel does, its signal handlers held back (SIGINT and SIGTERM blocked in the main thread), until the watchdog asks
+it to stop (the launcher gone), and prints `busy at step STEP` on rank 0 once it waits; `hold_in_save` waits in the
 middle of every checkpoint, on every rank, until a signal ends the process (a second Ctrl-C), and
 `hold_in_save:STEP` only in that step's (a run with an intact checkpoint and one being written).
 """

@@ -42,7 +42,8 @@ def _params_to_release_cache():
     caches = [f for f in found if hasattr(f, "cache_clear")]
     if not caches:
         raise RuntimeError("PartitionedParameterCoordinator.__params_to_release is no longer an lru_cache: the "
-                           "release of its cache (ulysses_train/train/process/teardown.py) must follow DeepSpeed's change")
+                           "release of its cache (ulysses_train/train/process/teardown.py) must follow "
+                           "DeepSpeed's change")
     return caches[0]
 
 

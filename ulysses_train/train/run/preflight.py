@@ -1,5 +1,5 @@
-"""Paths checked before any work: --model, --ref_model, --tokenizer, --dataset and --chat_template exist, and a local model
-folder holds a readable config, intact weights and (when it must provide one) a tokenizer. Each problem is a
+"""Paths checked before any work: --model, --ref_model, --tokenizer, --dataset and --chat_template exist, and a local
+model folder holds a readable config, intact weights and (when it must provide one) a tokenizer. Each problem is a
 ConfigError naming the flag and the path, raised on every rank alike before the process group, the data or the
 model exist, instead of a traceback per rank from deep inside transformers or datasets.
 

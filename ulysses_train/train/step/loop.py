@@ -35,8 +35,8 @@ def step_counts(run, batches: list[dict]) -> torch.Tensor:
 def forward_backward(run, batch: dict, step: int, normalizer: torch.Tensor,
                      objective=None) -> tuple[torch.Tensor, bool]:
     """One batch of whole sequences: this rank's shard forward and backward. Returns the SP group's share of the
-    step's loss (sum of its tokens' cross-entropy / `normalizer`; with a preference `objective`, train/preference/pairs.py,
-    its loss), and whether the step is skipped (a non-finite loss under --skip_nonfinite)."""
+    step's loss (sum of its tokens' cross-entropy / `normalizer`; with a preference `objective`,
+    train/preference/pairs.py, its loss), and whether the step is skipped (a non-finite loss under --skip_nonfinite)."""
     g = run.groups
     shard = shard_batch(run, batch)
     loss = run.engine(shard["input_ids"], shard["position_ids"], shard["labels"], normalizer.float().clamp(min=1.0),

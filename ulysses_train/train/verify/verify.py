@@ -119,7 +119,8 @@ def buffer_mismatches(ours: dict, theirs: dict) -> list[str]:
             bad.append(f"{name} (missing)")
         elif got.dtype != want.dtype or not torch.equal(got, want):
             bad.append(f"{name} ({str(got.dtype).removeprefix('torch.')}, plain transformers: "
-                       f"{str(want.dtype).removeprefix('torch.')}{'' if got.dtype != want.dtype else ', values differ'})")
+                       f"{str(want.dtype).removeprefix('torch.')}"
+                       f"{'' if got.dtype != want.dtype else ', values differ'})")
     return bad
 
 
@@ -220,8 +221,8 @@ def format_report(result: dict) -> str:
     bad = result["buffer_mismatches"]
     lines.append(f"  buffers: {result['buffers']} compared with plain transformers', "
                  + (f"{len(bad)} differ: {', '.join(bad)}" if bad else "all equal"))
-    lines.append(f"  took {result['seconds']['ours']:.1f} s (our step, gathers) + {result['seconds']['reference']:.1f} s "
-                 f"(reference{'s' if theirs else ''})")
+    lines.append(f"  took {result['seconds']['ours']:.1f} s (our step, gathers) + "
+                 f"{result['seconds']['reference']:.1f} s (reference{'s' if theirs else ''})")
     lines.append(f"verdict: {'PASS' if result['passed'] else 'FAIL'}" + (
         "" if result["passed"] else f" ({', '.join(result['failed'])} over the limit; see docs/verify.md)"))
     return "\n".join(lines)
@@ -268,7 +269,8 @@ def run_verify(trainer) -> dict:
         failed += ["buffers"] if bad_buffers else []
         checks, more = reference_step.check(truth, trainer.dtype) if hasattr(reference_step, "check") else ({}, [])
         failed += more
-        result = checks | {"tokens": batches[0]["input_ids"].shape[1], "sequences": sum(len(b["input_ids"]) for b in batches),
+        result = checks | {"tokens": batches[0]["input_ids"].shape[1],
+                  "sequences": sum(len(b["input_ids"]) for b in batches),
                   "targets": sum(trainable_tokens(b) for b in batches),
                   "dtype": str(trainer.dtype).removeprefix("torch."), "setup": trainer.describe_setup(),
                   "transformers_version": transformers.__version__,
