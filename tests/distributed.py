@@ -52,7 +52,8 @@ def run_distributed(fn, world: int, *args, use_deepspeed: bool = False, backend:
     With backend="nccl" rank r runs on cuda:r; results should be moved to the CPU by fn."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world, free_port(), out_dir, fn, args, use_deepspeed, backend), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), out_dir, fn, args, use_deepspeed, backend), nprocs=world,
+                     join=True)
         except Exception as e:
             errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
             raise AssertionError("a rank failed:\n" + "\n".join(errors)) from e

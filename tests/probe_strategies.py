@@ -167,7 +167,8 @@ FILLED = {
         st.fixed_dictionaries({"role": st.just("assistant"), "content": LONG})).map(list)}),
     "prompt_completion": st.fixed_dictionaries({"prompt": LONG, "completion": LONG}),
     "tokens": st.fixed_dictionaries({"input_ids": st.lists(st.integers(3, 258), min_size=64, max_size=100)}),
-    "preference": st.fixed_dictionaries({"prompt": st.text(ANY_TEXT, max_size=8), "chosen": st.text(ANY_TEXT, max_size=8),
+    "preference": st.fixed_dictionaries({"prompt": st.text(ANY_TEXT, max_size=8),
+                                         "chosen": st.text(ANY_TEXT, max_size=8),
                                          "rejected": st.text(ANY_TEXT, max_size=8)}),
 }
 
@@ -192,7 +193,8 @@ ROPE = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10
 def model_configs(draw, sizes: st.SearchStrategy = SIZE) -> dict:
     """A config.json of a supported family (at times an unknown or unsupported model_type) at a tiny size, with
     some fields drawn from `sizes` (wrong types and bad values among them)."""
-    model_type = draw(st.one_of(st.sampled_from(sorted(FAMILIES)), st.sampled_from(["llamaa", "bert", "t5", "", "gpt2"]),
+    model_type = draw(st.one_of(st.sampled_from(sorted(FAMILIES)),
+                                st.sampled_from(["llamaa", "bert", "t5", "", "gpt2"]),
                                 st.from_regex(r"[a-z_]{1,10}", fullmatch=True)))
     values = {"model_type": model_type, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 300,

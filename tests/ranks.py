@@ -46,9 +46,9 @@ def run_ranks(world: int, args: list, env: dict | None = None) -> Ranks:
     port = str(launch_port())
     procs = [subprocess.Popen([sys.executable] + [str(a) for a in args], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
-                              env=child_env() | (env or {}) | dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                                                             LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                                             MASTER_PORT=port))
+                              env=child_env() | (env or {}) | dict(RANK=str(r), WORLD_SIZE=str(world),
+                                                             LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(world)]
     with ThreadPoolExecutor(world) as pool:  # every rank's pipes read at once: none blocks on a full one
         outputs = list(pool.map(lambda p: p.communicate(timeout=HANG_GUARD_S), procs))

@@ -4,7 +4,7 @@ renderings do not grow by whole turns (Qwen3-style: earlier assistant turns lose
 
 import json
 
-CHATML_QWEN = """{%- if messages[0]['role'] == 'system' %}
+CHATML_QWEN = ("""{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
 {%- else %}
     {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
@@ -13,7 +13,8 @@ CHATML_QWEN = """{%- if messages[0]['role'] == 'system' %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}
+        {{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- message.content + '<|im_end|>' }}"""
+"""{% endgeneration %}{{- '\\n' }}
     {%- elif message.role == "tool" %}
         {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
             {{- '<|im_start|>user' }}
@@ -27,17 +28,18 @@ CHATML_QWEN = """{%- if messages[0]['role'] == 'system' %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
-"""
+""")
 CHATML_PLAIN = CHATML_QWEN.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
-LLAMA3 = """{{- bos_token }}
+LLAMA3 = ("""{{- bos_token }}
 {%- for message in messages %}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + """
+"""'<|eot_id|>' }}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
-"""
+""")
 
 MISTRAL = """{{- bos_token }}
 {%- for message in messages %}

@@ -104,8 +104,8 @@ try:
     misspelt = None
 except AttributeError as e:
     misspelt = str(e)
-with Trainer(config, dataset=chats, tokenizer=tokenizer, chat_template=template, val_set_size=0.25, output_dir=out + "/run",
-             save_final=False) as trainer:
+with Trainer(config, dataset=chats, tokenizer=tokenizer, chat_template=template, val_set_size=0.25,
+             output_dir=out + "/run", save_final=False) as trainer:
     result = trainer.train()
     evaluated = trainer.evaluate()
     path = trainer.save_model(out + "/model")

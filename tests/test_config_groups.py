@@ -1,6 +1,6 @@
 """The configuration grouped by concern (train/config/groups.py, train/config/train_config.py): YAML flat or grouped,
-config.yaml grouped and read back, --help in one section per group, every bound checked and named by its flag, the parser's types read from the
-annotations, and TrainConfig built from its groups (no processes)."""
+config.yaml grouped and read back, --help in one section per group, every bound checked and named by its flag, the
+parser's types read from the annotations, and TrainConfig built from its groups (no processes)."""
 
 import argparse
 import os

@@ -106,14 +106,16 @@ def test_samples_are_exact_slices(pad_last, tmp_path):
 
 def test_dataset_shorter_than_one_sample_gives_both_numbers(tmp_path):
     store = _store(_write("txt", tmp_path / "txt"), tmp_path)
-    with pytest.raises(ConfigError, match=rf"has {len(store.tokens)} tokens, fewer than one sample of --seq_len 100000"):
+    with pytest.raises(ConfigError,
+                       match=rf"has {len(store.tokens)} tokens, fewer than one sample of --seq_len 100000"):
         TokenSamples(store, 100000, 0, pad_last=False)
 
 
 def test_bad_inputs(tmp_path):
     folder = _write("jsonl", tmp_path / "j")
     ds = load_corpus(str(folder))
-    with pytest.raises(ConfigError, match=r"--text_column body is not in the dataset; its columns are \['text', 'id'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"--text_column body is not in the dataset; its columns are \['text', 'id'\]"):
         pick_text_column(ds.column_names, "body")
     with pytest.raises(ConfigError, match="no 'text' column"):
         pick_text_column(["body"], None)

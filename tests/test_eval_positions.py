@@ -31,9 +31,9 @@ def setup(tmp_path_factory):
 
 
 def _run(launcher, setup, out):
-    args = ["-m", "ulysses_train.tools.eval_positions", "--model", str(setup / "model"), "--dataset", str(setup / "books"),
-            "--tokenizer", "bytes", "--seq_len", str(SEQ), "--num_samples", "2", "--bucket", str(BUCKET),
-            "--out", str(out), "--data_cache_dir", str(setup / "cache")]
+    args = ["-m", "ulysses_train.tools.eval_positions", "--model", str(setup / "model"),
+            "--dataset", str(setup / "books"), "--tokenizer", "bytes", "--seq_len", str(SEQ), "--num_samples", "2",
+            "--bucket", str(BUCKET), "--out", str(out), "--data_cache_dir", str(setup / "cache")]
     cmd = launcher + args if launcher[0] != sys.executable else [sys.executable] + args
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""examples/needle.py, the worked SFT example of docs/needle.md: its conversations hold the code in the first tenth of the
-document, train and eval codes differ, and the trainer reads the rows as messages whose trained tokens are the
+"""examples/needle.py, the worked SFT example of docs/needle.md: its conversations hold the code in the first tenth of
+the document, train and eval codes differ, and the trainer reads the rows as messages whose trained tokens are the
 assistant's answer (through examples/chatml.jinja and the byte tokenizer, as that page's command runs it)."""
 
 import json

@@ -2,16 +2,16 @@
 windowed Mistral, GPT-OSS), attention sinks (GPT-OSS), attention and final logit softcaps (Gemma 2), chunked
 attention with NoPE layers and their temperature tuning (Llama 4 text), NoPE layers (SmolLM3), Gemma 4's wider
 global heads and shared-KV layers, and the MoE routers' load-balancing loss over the whole sequence (Qwen3-MoE and
-GPT-OSS with `output_router_logits`: transformers adds it to its loss, and so must ours). The window (8) and the chunks (8) are shorter than each rank's shard, so every
-rank's queries reach keys another rank projected.
+GPT-OSS with `output_router_logits`: transformers adds it to its loss, and so must ours). The window (8) and the chunks
+(8) are shorter than each rank's shard, so every rank's queries reach keys another rank projected.
 
 Reference: transformers' eager attention (the only one every family supports) on the same weights, fp32, one
 process, computed in the same test, with the whole sequence and, packed, with position ids restarting at each
 document (transformers then keeps the documents apart itself, and cuts Llama 4's chunks from each document's
 start). GPT-OSS's own packed row lets documents see each other (transformers' mask for it ignores the restarting
-positions), so its packed reference runs each document alone, which is what packing means. Each rank runs our attention ("ulysses", SDPA
-kernel), our fused loss head, and back-propagates its share; the sum of the ranks' gradients must equal the
-reference's. One launch per SP size runs every family, packed and not."""
+positions), so its packed reference runs each document alone, which is what packing means. Each rank runs our attention
+("ulysses", SDPA kernel), our fused loss head, and back-propagates its share; the sum of the ranks' gradients must equal
+the reference's. One launch per SP size runs every family, packed and not."""
 
 import pytest
 import torch
@@ -113,7 +113,8 @@ def _check(results, cases):
                     precise = precise or _precise(name, state, ids, packed)
                     limit = 2 * max(_relative(ref, precise[pname]), 1e-5)
                     error = _relative(grads[pname], precise[pname])
-                    assert error <= limit, f"{name} (packed {packed}), {pname}: {error:.2e} from fp64 (limit {limit:.2e})"
+                    assert error <= limit, (f"{name} (packed {packed}), {pname}: {error:.2e} from fp64 "
+                                            f"(limit {limit:.2e})")
 
 
 def test_every_frontier_family_at_sp2_matches_transformers_packed_and_not():

@@ -17,7 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for a dry run
 def _trained_logits(trainer, ids: torch.Tensor) -> torch.Tensor:
     model = trainer.module.model
     with torch.no_grad():
-        hidden = model.get_decoder()(input_ids=ids.to(DEVICE), position_ids=torch.arange(ids.shape[1])[None].to(DEVICE))[0]
+        hidden = model.get_decoder()(input_ids=ids.to(DEVICE),
+                                     position_ids=torch.arange(ids.shape[1])[None].to(DEVICE))[0]
         return model.get_output_embeddings()(hidden).float().cpu()
 
 

@@ -1,8 +1,9 @@
 """Memory levers change memory and time, never the numbers: each one on versus off gives the same loss and the
 same gradients, at SP=1 and SP=2 (fp32, CPU). And each one really acts: kept attention outputs mean the attention
-kernel runs once per layer instead of twice, which we count at the dispatcher; the lean RMSNorm is among them; the offload moves the layer inputs,
-and with kept attention its outputs too, which we count in bytes (on CPU the "host" copy is a plain copy, so the
-bookkeeping and the exactness are what is tested here; tests/test_gpu.py runs the CUDA streams)."""
+kernel runs once per layer instead of twice, which we count at the dispatcher; the lean RMSNorm is among them; the
+offload moves the layer inputs, and with kept attention its outputs too, which we count in bytes (on CPU the "host" copy
+is a plain copy, so the bookkeeping and the exactness are what is tested here; tests/test_gpu.py runs the CUDA
+streams)."""
 
 
 import pytest
@@ -236,7 +237,8 @@ def test_pinned_pool_holds_one_step_when_packed_shapes_change_every_step(monkeyp
 
     from ulysses_train.levers.offload import PinnedPool
 
-    monkeypatch.setattr(PinnedPool, "MIN_CHUNK", 1 << 16)  # small chunks, so that the first steps of this small test overflow the region
+    # small chunks, so that the first steps of this small test overflow the region
+    monkeypatch.setattr(PinnedPool, "MIN_CHUNK", 1 << 16)
     rng, pool, seq, width, largest = random.Random(0), PinnedPool(pin=False), 4096, 64, 0
     for step in range(12):
         cuts = sorted(rng.sample(range(1, seq), 2))

@@ -24,8 +24,8 @@ import torch
 from tests.distributed import run_distributed
 
 SEQ = 64
-TRAIN = ["--tokenizer", "bytes", "--seq_len", str(SEQ), "--steps", "4", "--save_steps", "2", "--lr", "3e-3", "--sp_size", "2", "--use_peft",
-         "--lora_modules_to_save", "embed_tokens,lm_head,norm"]
+TRAIN = ["--tokenizer", "bytes", "--seq_len", str(SEQ), "--steps", "4", "--save_steps", "2", "--lr", "3e-3",
+         "--sp_size", "2", "--use_peft", "--lora_modules_to_save", "embed_tokens,lm_head,norm"]
 LINEARS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 

@@ -1,4 +1,5 @@
-"""The adapter settings a user can get wrong, each named (model/adapters.py, train/checkpoints/resume.py, train/checkpoints/disk_space.py):
+"""The adapter settings a user can get wrong, each named (model/adapters.py, train/checkpoints/resume.py,
+train/checkpoints/disk_space.py):
 
 - resuming: the settings that decide which tensors are trained and their shapes (--use_peft, --lora_r,
   --lora_target_modules, --lora_modules_to_save) are refused on resume with one message, never offered as an

@@ -239,7 +239,8 @@ def test_flags_are_checked_before_anything_runs():
 
     cases = [(["--beta", "0.2"], r"--beta applies to preference training: give --method dpo, simpo or orpo"),
              (["--method", "dpo"], r"--method dpo trains on preference pairs: give --dataset"),
-             (["--method", "simpo", "--dataset", "x", "--loss_type", "ipo"], r"--loss_type ipo applies to --method dpo"),
+             (["--method", "simpo", "--dataset", "x", "--loss_type", "ipo"],
+              r"--loss_type ipo applies to --method dpo"),
              (["--method", "dpo", "--dataset", "x", "--simpo_gamma", "1"], r"--simpo_gamma applies to --method simpo"),
              (["--method", "dpo", "--dataset", "x", "--max_length", "600"], r"at least 2 x --max_length \(600\)"),
              (["--method", "dpo", "--dataset", "x", "--max_length", "64", "--max_prompt_length", "64"],

@@ -7,8 +7,8 @@ dataset of pairs trains DPO, packed by default, equal to --packing false and to 
 loss and TRL's metrics.
 
 Two launches: four gloo ranks for the sharded runs, one for the single-process ones, each running several trainers
-in turn (the test of the defaults has its own two, two ranks and one). Packed rows of 128 tokens hold two to four string pairs, so at SP=4 (32 tokens a rank) sequences straddle
-the ranks."""
+in turn (the test of the defaults has its own two, two ranks and one). Packed rows of 128 tokens hold two to four string
+pairs, so at SP=4 (32 tokens a rank) sequences straddle the ranks."""
 
 import glob
 import json

@@ -3,8 +3,9 @@ a disk that is full at every save. Whatever happens, no complete checkpoint is l
 another one's lock exits 2 naming it (its pid and host), and the run that comes last resumes from the newest
 intact checkpoint.
 
-Runs are launch/train.py on the tiny model on CPU (one process each); ULYSSES_TRAIN_FAULT (train/process/faults.py) holds
-one in the middle of a save, or fails a save as a full disk does, so that what is probed does not depend on timing.
+Runs are launch/train.py on the tiny model on CPU (one process each); ULYSSES_TRAIN_FAULT (train/process/faults.py)
+holds one in the middle of a save, or fails a save as a full disk does, so that what is probed does not depend on
+timing.
 """
 
 import os

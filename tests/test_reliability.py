@@ -268,8 +268,9 @@ def launch_like_deepspeed(world: int, args: list, rank0_late_s: float) -> list[t
                 time.sleep(0.02)
         procs[rank] = subprocess.Popen([sys.executable, TRAIN] + args, cwd=ROOT, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True,
-                                       env=child_env() | dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                                       env=child_env() | dict(RANK=str(rank), WORLD_SIZE=str(world),
+                                                         LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                                                         MASTER_PORT=port))
     procs = [procs[r] for r in range(world)]
     deadline = time.monotonic() + HANG_GUARD_S
     while not any(p.poll() not in (None, 0) for p in procs) and not all(p.poll() == 0 for p in procs):

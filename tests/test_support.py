@@ -59,7 +59,8 @@ def test_the_table_says_what_the_check_does(model_type):
 
 def test_the_models_page_table_is_the_checks_own_and_the_readme_names_every_family():
     page = open(os.path.join(ROOT, "docs", "models.md")).read()
-    assert supported_models_table() in page, "regenerate the table of docs/models.md: python -m ulysses_train.sp.support"
+    assert supported_models_table() in page, ("regenerate the table of docs/models.md: "
+                                              "python -m ulysses_train.sp.support")
     readme = open(os.path.join(ROOT, "README.md")).read()
     listed = readme[readme.index("## Supported models"):].split("\n## ", 1)[0]
     missing = [model_type for model_type in FAMILIES if f"`{model_type}`" not in listed]
@@ -79,7 +80,8 @@ def test_deltanet_layers_of_a_family_without_the_sp_mixer_are_refused_with_their
 def test_an_unknown_family_is_refused_never_assumed_full_attention():
     config = AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     message = _refused(config)
-    assert "'phi3' is a family the trainer has not made exact" in message and "never assumed to be full attention" in message
+    assert ("'phi3' is a family the trainer has not made exact" in message
+            and "never assumed to be full attention" in message)
 
 
 def test_a_multimodal_wrapper_names_its_text_model():

@@ -13,8 +13,8 @@ from ulysses_train.tools.time_model import AttentionRates, Constants, Elementwis
 
 ONES = ElementwiseCosts(*(1e-12,) * 6)
 ROUND = Constants(matmul_tflops=100.0, attention={"flash_attn_4": AttentionRates(fwd=50.0, bwd=40.0)},
-                  loss_tflops=10.0, liger_loss_tflops=20.0, fused=ONES, eager=ONES, hbm_tb_s=1.0, adam_gb_s=100.0, nvlink_gb_s=10.0,
-                  pcie_gb_s=5.0, host_gb_s=1000.0, step_overhead_s=0.5)
+                  loss_tflops=10.0, liger_loss_tflops=20.0, fused=ONES, eager=ONES, hbm_tb_s=1.0, adam_gb_s=100.0,
+                  nvlink_gb_s=10.0, pcie_gb_s=5.0, host_gb_s=1000.0, step_overhead_s=0.5)
 
 
 def test_step_time_by_hand():
@@ -43,7 +43,8 @@ def test_step_time_by_hand():
     liger = step_time(Run(g, 1024, 2, 2, dataclasses.replace(levers, loss_kernel="liger")), ROUND)
     assert liger["parts"]["loss"] == pytest.approx(6 * tokens * 96 * 64 / 20e12)  # Liger-Kernel's rate
     assert t["total"] == pytest.approx(checkpointed + uncheckpointed + loss + optimizer + 0.5)
-    assert t["parts"]["exposed copies and collectives"] == pytest.approx(0, abs=1e-15)  # ZeRO-3's gathers hide behind the layers
+    # ZeRO-3's gathers hide behind the layers
+    assert t["parts"]["exposed copies and collectives"] == pytest.approx(0, abs=1e-15)
     # the offload's copies: 512 x 64 x 2 bytes of input and 512 x (64 x 2 + 8 x 4) of kept output at 5 GB/s, beyond
     # the compute of the layer they overlap
     slow = dataclasses.replace(ROUND, pcie_gb_s=1e-3)
