@@ -25,8 +25,8 @@ setup(
                       "liger-kernel>=0.8.5; platform_system == 'Linux'"],
     extras_require={
         # Triton's interpreter runs our fused kernels on the CPU in the tests (a GPU build of torch brings its own)
-        "test": ["pytest>=8", "ruff>=0.6", "tensorboard", "triton; platform_system == 'Linux'", "wandb",
-                 "mlflow-skinny",
+        "test": ["pytest>=8", "ruff==0.17.6",  # .ci/run lints with it: one version, the same findings everywhere
+                 "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny",
                  # the preference losses are checked against TRL's trainers' own loss code (internal: one minor)
                  "trl>=1.16,<1.17", "peft>=0.18",
                  "hypothesis>=6.100"],  # the probe suite: tests/test_probes.py
