@@ -15,9 +15,8 @@ that runs here: `flash_attn_4` (FA4, if importable), `sdpa` (cuDNN), `flash_attn
 each kernel's ring output and gradients are compared with its own full call at --check_seq tokens (relative error in
 the table). The table is printed last; --json (or $OUT/ring_bench.json) gets the details.
 
-On the CPU (`--device cpu`, tiny sizes) the same code runs with ATen's CPU flash attention: tests/test_ring.py uses
-`ring_in_one_process` to check the ring's arithmetic against one call.
-"""
+On the CPU (`--device cpu`, tiny sizes) the same code runs with ATen's CPU flash attention:
+tests/distributed/test_ring.py uses `ring_in_one_process` to check the ring's arithmetic against one call."""
 
 from __future__ import annotations
 

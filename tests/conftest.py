@@ -8,14 +8,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # hermetic: the tests (and the trainers they launch, which inherit the environment) never share the user's
 # datasets cache, nor another test session's
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="ulysses-test-datasets-")
-# without a GPU, Triton's interpreter runs our fused kernels on CPU tensors (tests/test_fused_kernels.py); it must be
-# set before the kernels are defined, and the processes the tests start inherit it
+# without a GPU, Triton's interpreter runs our fused kernels on CPU tensors (tests/unit/test_fused_kernels.py); it
+# must be set before the kernels are defined, and the processes the tests start inherit it
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the probe suite's profiles (tests/test_probes.py): few examples in the quick loop, more in CI. No deadline: an
+# the probe suite's profiles (tests/unit/test_probes.py): few examples in the quick loop, more in CI. No deadline: an
 # example's time depends on the machine's load, and the tests put no time limit on anything
 from hypothesis import settings  # noqa: E402
 
@@ -24,15 +24,25 @@ settings.register_profile("ci", max_examples=100, deadline=None, print_blob=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "quick"))
 
 
+# the tests by cost: tests/unit runs in this process (a few are marked slow), tests/distributed starts processes
+# (gloo ranks, launched runs: every test there is slow), tests/gpu needs a CUDA GPU (slow too)
+FOLDER_MARKS = {"distributed": ("slow",), "gpu": ("gpu", "slow")}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
-    config.addinivalue_line("markers", "slow: starts training runs (the probe suite's long part); -m 'not slow' "
-                                       "leaves them out of the quick loop")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one (every test in tests/gpu)")
+    config.addinivalue_line("markers", "slow: starts processes or trains for seconds (every test in tests/distributed "
+                                       "and tests/gpu, and those so marked in tests/unit); -m 'not slow' is the "
+                                       "quick loop")
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        folder = os.path.basename(os.path.dirname(str(item.fspath)))
+        for mark in FOLDER_MARKS.get(folder, ()):
+            item.add_marker(getattr(pytest.mark, mark))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -1,5 +1,6 @@
 """A tiny HF model's loss and gradients, one process with plain transformers and sharded under DeepSpeed ZeRO and
-Ulysses SP on every rank: the two runs tests/test_model_equivalence.py compares on CPU and tests/test_gpu.py on GPUs."""
+Ulysses SP on every rank: the two runs tests/distributed/test_model_equivalence.py compares on CPU and
+tests/gpu/test_gpu.py on GPUs."""
 
 import torch
 

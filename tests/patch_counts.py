@@ -1,5 +1,5 @@
 """How many modules each patch of model/surgery.py takes in each tiny family of tests/models.py (2 layers), with
-every lever on: tests/test_surgery.py asserts them, tests/test_fused_kernels.py reads which patches apply."""
+every lever on: tests/unit/test_surgery.py asserts them, tests/unit/test_fused_kernels.py reads which patches apply."""
 
 # (patch -> modules) with every lever on: norms are 2 per layer and the final one, plus q and k norms in Qwen3
 EXPECTED = {

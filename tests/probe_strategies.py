@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the probe suite (tests/test_probes.py): what a new user might give the trainer.
+"""Hypothesis strategies for the probe suite (tests/unit/test_probes.py): what a new user might give the trainer.
 
 Settings (flags on the command line and keys of a --config YAML file: right and wrong types, values at and past
 their bounds, huge and non-finite numbers, unknown keys, the aliases of transformers/TRL/axolotl), dataset rows

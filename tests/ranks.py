@@ -2,10 +2,10 @@
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without a launcher.
 
 For tests about the trainer rather than the launcher: DeepSpeed's launcher adds two Python processes that import
-DeepSpeed before the ranks start (torchrun one), and no launcher is there to tear the ranks down, so every rank's
-own exit code and output are seen. The launchers themselves are tested in tests/test_train_e2e.py,
-tests/test_failures.py and tests/test_reliability.py. The 10-minute guard is a hang detector, not a speed
-requirement."""
+DeepSpeed before the ranks start (torchrun one), and no launcher is there to tear the ranks down, so every rank's own
+exit code and output are seen. The launchers themselves are tested in tests/distributed/test_train_e2e.py,
+tests/distributed/test_failures.py and tests/distributed/test_reliability.py. The 10-minute guard is a hang detector,
+not a speed requirement."""
 
 from __future__ import annotations
 

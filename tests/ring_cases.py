@@ -1,6 +1,6 @@
 """The hybrid Ulysses x ring attention cases, in fp64: their inputs and `run_cases`, which runs cases on the SP groups
-SequenceParallelGroups builds and returns each rank's shard of the output and gradients. tests/test_ring.py checks
-them against tests/references.py; tests/helpers/train_then_ring_cases.py runs CASES_8 after a training run on the
+SequenceParallelGroups builds and returns each rank's shard of the output and gradients. tests/distributed/test_ring.py
+checks them against tests/references.py; tests/helpers/train_then_ring_cases.py runs CASES_8 after a training run on the
 same 8 processes."""
 
 import torch

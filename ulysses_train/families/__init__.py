@@ -2,7 +2,7 @@
 
 The support check (sp/support.py), the sizes (model/geometry.py), the config check (model/config_check.py), the
 lever policy and the planner all read a family's facts here, so adding a family is one record and its test
-(tests/test_families.py). This package sits below every other: it imports nothing of the trainer.
+(tests/unit/test_families.py). This package sits below every other: it imports nothing of the trainer.
 """
 
 from __future__ import annotations

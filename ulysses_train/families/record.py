@@ -4,7 +4,7 @@ Everything a config states (its layer types, windows, chunk sizes, NoPE layers, 
 read from the config where it is used; what a modeling file does with it (whether q_proj also emits a gate, which
 norms a layer has, whether its attention takes sinks) is not in the config, so each family's record holds it. The
 norms, rotaries and MLPs our levers replace are not recorded: model/matching.py decides them by probing what each
-module computes (tests/test_surgery.py pins the counts per family).
+module computes (tests/unit/test_surgery.py pins the counts per family).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ MLP_KINDS = ("dense", "biased_experts", "moe_layers", "dense_beside_experts")
 
 @dataclass(frozen=True)
 class FamilyRecord:
-    """One model family the trainer has made exact (a row of docs/models.md's table, tests/test_families.py)."""
+    """One model family the trainer has made exact (a row of docs/models.md's table, tests/unit/test_families.py)."""
 
     model_type: str
     """transformers' `model_type` of the family's text decoder (a key of CONFIG_MAPPING)."""
@@ -31,7 +31,7 @@ class FamilyRecord:
     """What its layers do beyond full causal attention, for the table ("full attention" when nothing)."""
 
     kernels: str = ALL_KERNELS
-    """The attention kernels that run it exactly, for the table (tests/test_support.py checks each claim)."""
+    """The attention kernels that run it exactly, for the table (tests/unit/test_support.py checks each claim)."""
 
     ring: bool = True
     """Exact under --ring_size > 1 too; False: the support check refuses a ring (windows, sinks, recurrences)."""

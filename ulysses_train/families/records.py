@@ -1,9 +1,8 @@
 """One record per model family the trainer runs, in the order of docs/models.md's table.
 
-Each record is checked against plain transformers in tests/test_frontier_families.py, tests/test_model_families.py
-and tests/test_model_equivalence.py, its sizes in tests/test_geometry.py, and its fields against the tiny model of
-tests/models.py in tests/test_families.py.
-"""
+Each record is checked against plain transformers in tests/distributed/test_frontier_families.py,
+tests/distributed/test_model_families.py and tests/distributed/test_model_equivalence.py, its sizes in
+tests/unit/test_geometry.py, and its fields against the tiny model of tests/models.py in tests/unit/test_families.py."""
 
 from __future__ import annotations
 

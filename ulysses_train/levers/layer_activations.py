@@ -20,7 +20,7 @@ rank (b bytes each, the activation dtype):
 
 plus per row fp32: the four norms' (2 + heads + KV heads) and the log-sum-exp (heads). Without the lean norms each
 norm also keeps an fp32 copy of its input (4 bytes per element: 2H + A + KV). Rotary saves only cos and sin, shared
-by all layers. Checked on CPU by counting every allocation alive after a forward (tests/test_plan.py), with and
+by all layers. Checked on CPU by counting every allocation alive after a forward (tests/unit/test_plan.py), with and
 without the lean norms, the fused kernels and the tiled MLP; on the GPU against partial-checkpointing peaks
 (docs/memory.md).
 

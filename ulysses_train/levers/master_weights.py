@@ -12,7 +12,7 @@ saves on a real step is measured in docs/benchmarks.md and counted in docs/memor
 `deepspeed.initialize`. The optimizer keeps its tensor objects (its parameter groups and states stay keyed by them);
 DeepSpeed's copy of the updated master into the model partition after each step becomes a copy onto itself. The
 numbers are those of the unshared run, bit for bit: there the copy holds the same values
-(tests/test_checkpoints.py compares losses and final weights of both).
+(tests/distributed/test_checkpoints.py compares losses and final weights of both).
 """
 
 from __future__ import annotations

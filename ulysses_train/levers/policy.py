@@ -37,8 +37,8 @@ KEEP_PLAN_FRACTION = 0.8
 # working set, the part of the estimate counted op by op (within 3.4% on the H200, docs/memory.md), and the kept
 # outputs are judged first, so the two together are held to this share
 UNTILE_PLAN_FRACTION = 0.85
-# Only for the families whose memory estimate is measured (their record's `estimate_measured`: on the H200 within
-# 6%, docs/memory.md; op by op on the CPU, tests/test_plan.py) do the two rules above spend memory on the estimate's
+# Only for the families whose memory estimate is measured (their record's `estimate_measured`: on the H200 within 6%,
+# docs/memory.md; op by op on the CPU, tests/unit/test_plan.py) do the two rules above spend memory on the estimate's
 # word (Gemma 3's peaks are 15-27% over it)
 
 

@@ -11,7 +11,7 @@ the levers' surgery (model/surgery.py). What that gives:
 - An adapter is a replicated parameter fed by this rank's shard of the sequence: its gradient is this rank's share,
   and is summed over the SP group by the same reduce-scatter and `sp_backward_scale` as every other parameter
   (levers/loss.py). Nothing about it is special, which is the point: a LoRA-B that stayed zero would mean the sum
-  is missing (tests/test_lora.py fails then).
+  is missing (tests/distributed/test_lora.py fails then).
 - The levers keep working because every patch calls the projections as modules (the fused SwiGLU calls
   `self.gate_proj(x)`, which is now PEFT's LoRA layer; the rotary and norm patches touch no linear layer). A LoRA'd
   LM head goes through the fused loss with its low-rank term (levers/loss.py: `lora_head_forward`). Only

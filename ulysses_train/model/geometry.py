@@ -14,7 +14,7 @@ so the planner and the trainer never disagree on it: `attn_spans` holds one `Spa
 modeling file adds that its config does not say (a gated query, q and k norms, Gemma's four norms a layer, sinks, the
 kind of MLP block) is its record's (ulysses_train/families/).
 
-Checked against `sum(p.numel())` of models built from tiny configs of every family (tests/test_geometry.py).
+Checked against `sum(p.numel())` of models built from tiny configs of every family (tests/unit/test_geometry.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ policy turned on that patches no module is an error naming its flag when the fla
 turns the lever off (so the levers the planner and the log report are the ones that run), with the reason. The
 class swaps go through subclasses made once per original class; the rotary patch gives the attention class a copy
 of its forward bound to module globals that name our function, so nothing global changes while a model runs.
-`tests/test_surgery.py` pins how many modules each patch takes in every supported family on the installed
+`tests/unit/test_surgery.py` pins how many modules each patch takes in every supported family on the installed
 transformers, so a release that moves one of them fails there.
 """
 

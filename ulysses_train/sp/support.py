@@ -32,7 +32,8 @@ from . import dims
 
 
 def supported_models_table() -> str:
-    """The table of supported models in docs/models.md, made from the family records (tests/test_support.py keeps the
+    """The table of supported models in docs/models.md, made from the family records (tests/unit/test_support.py keeps
+    the
     page equal)."""
     rows = ["| family | `model_type` | layers | exact under SP | ring (`--ring_size`) | packing | kernels |",
             "|---|---|---|---|---|---|---|"]

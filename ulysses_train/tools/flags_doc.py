@@ -7,7 +7,7 @@ The page has one section per argument group of the parser, in the parser's order
 canonical name, the other names that reach it, what it takes (a type or the choices), its default and its help. The
 field's names whose values are translated (`--bf16 true` is `--dtype bf16`) are flags of the parser too; they are
 listed once, in the aliases table, not among the flags. `--check` compares instead of writing (exit 1 when the page
-is stale); tests/test_flags_doc.py does the same, so the pages cannot drift from the code.
+is stale); tests/unit/test_flags_doc.py does the same, so the pages cannot drift from the code.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ trained length) is trained at `--short` tokens and read at `--long` with `eval_p
 * with YaRN and a few steps at the long length, the curve is flat.
 
 It writes `long_range.png` (the three curves, with the x entropy as the floor a model without the key would reach)
-and `long_range.json`. Tests assert the three shapes (tests/test_long_range.py).
+and `long_range.json`. Tests assert the three shapes (tests/unit/test_long_range.py).
 """
 
 from __future__ import annotations

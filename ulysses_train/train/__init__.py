@@ -1,4 +1,4 @@
-"""The run, in rooms that follow its flow, each importing only the rooms before it (tests/test_architecture.py):
+"""The run, in rooms that follow its flow, each importing only the rooms before it (tests/unit/test_architecture.py):
 
     config/       flags, YAML and DeepSpeed JSON -> one TrainConfig
     process/      the launcher's environment, signals, the watchdog, one report, teardown

@@ -10,8 +10,9 @@ import json
 from ...errors import ConfigError
 
 # Every top-level key DeepSpeed 0.19 reads: those DeepSpeedConfig (deepspeed/runtime/config.py and the sub-configs it
-# builds) looks up, recorded by tests/test_config.py, which fails naming any key a DeepSpeed upgrade starts to read;
-# and sequence_parallel_size / data_parallel_size, read by deepspeed.initialize and by DeepSpeedConfig without an mpu.
+# builds) looks up, recorded by tests/unit/test_config.py, which fails naming any key a DeepSpeed upgrade starts to
+# read; and sequence_parallel_size / data_parallel_size, read by deepspeed.initialize and by DeepSpeedConfig without an
+# mpu.
 DEEPSPEED_TOP_LEVEL_KEYS = (
     "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
     "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",

@@ -3,7 +3,7 @@
 The reference takes each pair as TRL's DPOTrainer does: prompt + chosen and prompt + rejected as two whole
 sequences through plain transformers (no packing, no SP, none of our levers; train/verify/reference_model.py builds the
 model on the engine's weights), each side's log-prob the sum over its scored tokens of log_softmax(logits) (in fp64 for
-the fp32 truth), and the loss of TRL's formulas (levers/preference_loss.py: `pair_terms`; tests/test_preference.py
+the fp32 truth), and the loss of TRL's formulas (levers/preference_loss.py: `pair_terms`; tests/unit/test_preference.py
 checks them against TRL's trainers on the same batch) with the step's normalisers. For DPO the reference log-probs
 are the run's own cached ones (train/preference/reference_logps.py), so the check covers the policy's pass; where the
 weights checked are the reference's (a run that resumes nothing), those cached log-probs are compared too, with plain
