@@ -3,16 +3,8 @@
     python -m ulysses_train.export CHECKPOINT OUT [--dtype auto|bf16|fp32]
     python -m ulysses_train.export CHECKPOINT OUT [--merge [--base_model PATH]]     # a --use_peft run's
 
-A --use_peft checkpoint (adapters and the modules trained whole) exports as a PEFT adapter folder
-(adapter_config.json and adapter_model.safetensors, written by PEFT's own save_pretrained; load it with
-`PeftModel.from_pretrained(base, OUT)`), or with --merge as a whole model: the base weights (the run's --model, or
---base_model) with the adapters merged in by PEFT's `merge_and_unload`, loadable by `from_pretrained` alone. A QLoRA
-run's adapters merge into the unquantized base.
-
-CHECKPOINT is a `step_N` folder (or an output_dir, whose newest intact checkpoint is used), checked against its
-manifest first. OUT must be a folder or a path that does not exist yet. The ZeRO-3 shards are consolidated on the
-CPU with DeepSpeed's zero_to_fp32 (loaded with weights_only=True), the `model.` prefix of the trainer's wrapper is
-dropped, and `save_pretrained` writes safetensors. Exit code 2, with the reason, when nothing could be exported."""
+Exit code 2, with the reason, when nothing could be exported. What is written: train/checkpoints/export_model.py
+(its docstring follows in --help)."""
 
 from __future__ import annotations
 
@@ -20,12 +12,14 @@ import argparse
 import sys
 
 from ..errors import ConfigError
+from ..train.checkpoints import export_model
 from ..train.checkpoints.checkpoint import CheckpointError
 from ..train.checkpoints.export_model import export
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulysses_train.export", description=__doc__,
+    what = export_model.__doc__.split("\n\n", 1)[1]  # after its first paragraph, which names this command
+    parser = argparse.ArgumentParser(prog="python -m ulysses_train.export", description=f"{__doc__}\n\n{what}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("out")
