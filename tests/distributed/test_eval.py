@@ -32,7 +32,7 @@ def _evaluate_against_transformers(rank, world, files, settings, trained):
 
     from ulysses_train.train.config.train_config import parse_args
     from ulysses_train.train.run.trainer import Trainer
-    from ulysses_train.train.step.evaluate import evaluate
+    from ulysses_train.train.step.evaluate import evaluate_tokens as evaluate
     from ulysses_train.train.step.loop import train
     from ulysses_train.train.verify.reference_model import reference_step
     from ulysses_train.train.verify.verify import _gather_weights
@@ -155,7 +155,7 @@ def test_an_evaluation_without_a_target_reports_no_loss_not_zero(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from ulysses_train.train.step.evaluate import evaluate
+    from ulysses_train.train.step.evaluate import evaluate_tokens as evaluate
 
     class Source:
         num_samples = 2

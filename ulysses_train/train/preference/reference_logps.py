@@ -242,21 +242,19 @@ class _Progress:
             self.bar.close()
 
 
-def reference_pass(run, source, partial: Optional[_Partial] = None) -> np.ndarray:
+def reference_pass(run, source, partial: _Partial) -> np.ndarray:
     """The forward pass over every row of `source` (no gradient) whose pairs `partial` does not hold yet; each DP
     group takes every dp-th micro-batch. Micro-batches past the last row repeat it and are not counted, so every
     rank takes part in every collective. Writes `partial` every 1/PARTIAL_FLUSHES of the pass."""
     g, micro, samples = run.groups, run.micro, source.samples
     values = torch.zeros(samples.num_pairs, 2, dtype=torch.float64, device=run.device)
     done = torch.zeros(samples.num_pairs, dtype=torch.float64, device=run.device)
-    rows = list(range(len(samples)))
-    if partial is not None:
-        rows = [i for i in rows if not partial.done[samples.pairs(i)].all()]
-        kept = partial.done.copy()  # a row computed again (another packing) brings all its pairs' values anew
-        kept[[p for i in rows for p in samples.pairs(i)]] = False
-        if run.rank == 0:
-            done += torch.from_numpy(kept.astype(np.float64)).to(run.device)
-            values += torch.from_numpy(partial.values * kept[:, None]).to(run.device)
+    rows = [i for i in range(len(samples)) if not partial.done[samples.pairs(i)].all()]
+    kept = partial.done.copy()  # a row computed again (another packing) brings all its pairs' values anew
+    kept[[p for i in rows for p in samples.pairs(i)]] = False
+    if run.rank == 0:
+        done += torch.from_numpy(kept.astype(np.float64)).to(run.device)
+        values += torch.from_numpy(partial.values * kept[:, None]).to(run.device)
     firsts = range(0, len(rows), micro * g.dp_size)
     flush = max(1, -(-len(firsts) // PARTIAL_FLUSHES))
     progress = _Progress(run, len(firsts))
@@ -278,7 +276,7 @@ def reference_pass(run, source, partial: Optional[_Partial] = None) -> np.ndarra
                     values[ids] = objective.sums[counted.to(run.device)]
                     done[ids] = 1.0
                 progress.update()
-                if partial is not None and n % flush == 0 and n < len(firsts):
+                if n % flush == 0 and n < len(firsts):
                     partial.write(values, done)
                 inject_in_reference(n)
     finally:

@@ -22,7 +22,7 @@ from ...sp.sharding import IGNORE_INDEX
 from .shards import shard_batch
 
 
-def evaluate(run, source, max_samples: Optional[int]) -> dict:
+def evaluate_tokens(run, source, max_samples: Optional[int]) -> dict:
     g, micro = run.groups, run.micro
     n = source.num_samples if max_samples is None else min(source.num_samples, max_samples)
     totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # (cross-entropy summed, trainable tokens)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ...data.sources import trainable_tokens
 from ..process.faults import check_grad_norm, inject_at_step, loss_is_skipped
-from .evaluate import evaluate as evaluate_tokens
+from .evaluate import evaluate_tokens
 from .memory_profile import ProfileFirstSteps
 from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
 from .shards import shard_batch
