@@ -283,3 +283,42 @@ def test_gpu_checkpoints_and_checkpoint_every_as_numbers_and_what_the_planner_pr
         assert trainer == planned and trainer.why == planned.why, seq_len
         assert (planned.gpu_checkpoints > 0) == (seq_len == 524288), (seq_len, planned.why)
         assert _trainer_side(base + planned.flags().split(), 1, 1, host_gib=80) == planned
+
+
+def test_hybrid_models_count_kept_outputs_per_layer_type_and_keep_the_deltanet_outputs_last():
+    """Qwen3.5-9B (24 Gated DeltaNet, 8 attention layers) at 131k on one H200 with the offload: the attention layers'
+    kept outputs are 8 layers' (8.7 GB), not 32 layers' as if every layer attended (that count sent them over half
+    the host with the checkpoints: recomputed); the DeltaNet layers' (39 GB) go over that rule and are kept by the
+    plan's room (86 GiB of 125 planned); with a host of 96 GiB they are recomputed, and the trainer and the planner
+    agree. A full-attention model has no such lever (None), and its flags do not name it."""
+    from ulysses_train.levers.memory import checkpoint_split
+    from ulysses_train.levers.policy import kept_outputs_bytes
+
+    g = geometry(load_model_config(None, "qwen3.5-9b"))
+    t, attention_out = 131072, 16 * 256 * 2 + 16 * 4
+    assert kept_outputs_bytes(g, t, 2) == 8 * t * attention_out
+    assert kept_outputs_bytes(g, t, 2, attention=False) == 24 * t * (32 * 128 * 2 + 32 * (64 * 2 + 4))
+    argv = ["--model_config", "qwen3.5-9b", "--seq_len", "131072", "--offload_activations",
+            "--ds_config", "ds_configs/zero3_bf16_states.json"]
+    levers = _trainer_side(argv, 1, 1)
+    assert levers.keep_attention and "under 62.5 GiB" in levers.why["keep_attention"]
+    assert levers.keep_linear and "over 62.5 GiB" in levers.why["keep_linear"]
+    assert "under 80% of the device: kept" in levers.why["keep_linear"]
+    assert "--attn_recompute never --linear_recompute never" in levers.flags()
+    split = checkpoint_split(g, t, 2, levers)
+    assert split["host kept"] == kept_outputs_bytes(g, t, 2) + kept_outputs_bytes(g, t, 2, attention=False)
+    small_host = _trainer_side(argv, 1, 1, host_gib=96)
+    assert small_host.keep_attention and small_host.keep_linear is False
+    assert checkpoint_split(g, t, 2, small_host)["host kept"] == kept_outputs_bytes(g, t, 2)
+    gpu = GPU_GIB * 2**30
+    request = LeverRequest(offload_activations=True)
+    for host_gib, want in ((HOST_GIB, levers), (96, small_host)):
+        planned = plan.levers_for(request, g, t, 1, 1, gpu, host_gib * 2**30, {"bf16_states": True})
+        assert planned == want and planned.why == want.why
+    assert _trainer_side(argv + ["--linear_recompute", "always"], 1, 1).keep_linear is False
+    assert _trainer_side(argv + ["--linear_recompute", "never"], 1, 1, host_gib=96).keep_linear
+    dense = _trainer_side(["--model_config", "qwen3-4b", "--seq_len", "65536"], 1, 1)
+    assert dense.keep_linear is None and "linear_recompute" not in dense.flags()
+    cpu = resolve_levers(LeverRequest(linear_recompute="auto"), g, 4096, 4,
+                         DeviceInfo("cpu", 2**36, 2**36))
+    assert cpu.keep_linear is False and "CPU" in cpu.why["keep_linear"]

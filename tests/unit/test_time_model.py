@@ -311,17 +311,20 @@ def test_llama4_like_chunked_attention_by_hand():
 def test_deltanet_layers_are_linear_in_the_sequence():
     """Qwen3.5's Gated DeltaNet layers: per token, 4 value heads x (6 x 8 x 12 for the state + 64 x (2 x 8 + 12)
     within the chunk) and 2 x 4 x 80 for the convolution, 10,112 FLOPs forward, at `linear_attention_tflops`; they
-    run again in the recompute even with the attention outputs kept."""
+    run again in the recompute even with the attention outputs kept, unless their own are (`keep_linear`)."""
     g = _tiny("qwen3_5_text", num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=12)
     rates = dataclasses.replace(ROUND, linear_attention_tflops=10.0)
     for keep in (False, True):
-        t = step_time(Run(g, 1024, 1, 1, Levers(keep_attention=keep)), rates)
+        t = step_time(Run(g, 1024, 1, 1, Levers(keep_attention=keep, keep_linear=False)), rates)
         fwd = 1024 * 10112 / 10e12
         assert t["parts"]["linear attention"] == pytest.approx(3 * (2 * fwd + 2.5 * fwd))
         assert t["parts"]["attention"] == pytest.approx(_attention_seconds([1024**2 / 2], 64, keep))
-        longer = step_time(Run(g, 4096, 1, 1, Levers(keep_attention=keep)), rates)
+        longer = step_time(Run(g, 4096, 1, 1, Levers(keep_attention=keep, keep_linear=False)), rates)
         assert longer["parts"]["linear attention"] == pytest.approx(4 * t["parts"]["linear attention"])
+    # with the gated delta rule's outputs kept (--linear_recompute never) the recompute skips the recurrence
+    kept = step_time(Run(g, 1024, 1, 1, Levers(keep_attention=True, keep_linear=True)), rates)
+    assert kept["parts"]["linear attention"] == pytest.approx(3 * (fwd + 2.5 * fwd))
     assert "linear attention" not in step_time(Run(geometry(tiny_config("qwen3")), 1024, 1, 1, Levers()),
                                                ROUND)["parts"]
 

@@ -15,7 +15,7 @@ import math
 
 from .layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
 from .placement import layer_places
-from .policy import GiB, Levers, checkpoint_bytes, kept_attention_bytes
+from .policy import GiB, Levers, checkpoint_bytes, kept_output_bytes
 
 # a 4-bit weight and its block's fp32 absmax (64 weights a block, no double quantization): --load_in_4bit's base
 NF4_BYTES = 0.5 + 4 / 64
@@ -170,16 +170,17 @@ def communication(g: dict, seq_len: int, sp: int, ring: int, levers: Levers, act
 def checkpoint_split(g: dict, t: int, b: int, levers: Levers) -> dict:
     """Bytes one rank saves for the recompute, on the GPU and on the host, and how many layers hold each: a
     checkpoint (the layer's input) where a layer opens a segment, and with kept outputs those of every checkpointed
-    attention layer (a DeltaNet layer keeps nothing), on the host for the layers levers/placement.py puts there."""
+    layer (policy.kept_output_bytes), on the host for the layers levers/placement.py puts there."""
     places = layer_places(levers, g["layers"])
     one = checkpoint_bytes(g, t, b) / g["layers"]
-    kept_one = kept_attention_bytes(g, t, b) / g["layers"] if levers.keep_attention else 0
     inputs = [i for i, p in enumerate(places) if p.checkpointed and p.saves_input]
-    kept = [i for i, p in enumerate(places) if p.checkpointed and g["attn_spans"][i].attention] if kept_one else []
+    shapes = g["layer_shapes"]
+    kept = {i: kept_output_bytes(g, shapes[i], t, b) for i, p in enumerate(places)
+            if p.checkpointed and (levers.keep_attention if shapes[i].span.attention else levers.keep_linear)}
     on_host = {i for i, p in enumerate(places) if p.on_host}
-    host_inputs, host_kept = sum(i in on_host for i in inputs), sum(i in on_host for i in kept)
+    host_inputs, host_kept = sum(i in on_host for i in inputs), sum(n for i, n in kept.items() if i in on_host)
     return {"gpu checkpoints": (len(inputs) - host_inputs) * one, "host checkpoints": host_inputs * one,
-            "gpu kept": (len(kept) - host_kept) * kept_one, "host kept": host_kept * kept_one,
+            "gpu kept": sum(kept.values()) - host_kept, "host kept": host_kept,
             "checkpoints": len(inputs), "on the host": host_inputs,
             "gpu layers": sum(p.checkpointed and not p.on_host for p in places)}
 
@@ -245,10 +246,11 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
             "sent_per_sequence": communication(g, seq_len, sp, ring, levers, b)}
 
 
-def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95, host: bool = True) -> bool:
+def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95, host: bool = True,
+         host_share: float = 1.0) -> bool:
     """Whether an estimate fits: within `share` of the GPU's memory (the rest for what the estimate misses) and
-    (unless `host` is False: the GPU alone) within the host's."""
-    return est["gpu_total"] <= share * gpu_mem and (not host or est["host_total"] <= host_mem)
+    (unless `host` is False: the GPU alone) within `host_share` of the host's."""
+    return est["gpu_total"] <= share * gpu_mem and (not host or est["host_total"] <= host_share * host_mem)
 
 
 def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
@@ -256,7 +258,7 @@ def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem:
     """Whether given levers fit this run on this machine, within a share of the GPU: what `--checkpoint_layers auto`,
     `--attn_recompute auto` and `--tiled_mlp auto` ask (the trainer and the planner pass it to the policy). `run`:
     estimate's other settings of the run (loss_chunk, tile_tokens, ring, pairs)."""
-    def fits_levers(levers: Levers, share: float = 0.95, host: bool = True) -> bool:
+    def fits_levers(levers: Levers, share: float = 0.95, host: bool = True, host_share: float = 1.0) -> bool:
         est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes, **run)
-        return fits(est, gpu_mem, host_mem, share, host)
+        return fits(est, gpu_mem, host_mem, share, host, host_share)
     return fits_levers

@@ -208,17 +208,18 @@ class _HostCopy:
 
 
 class OffloadKeptOutputs(TorchDispatchMode):
-    """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after an
-    attention kernel, the cache entries holding CUDA tensors are swapped for host copies. Why: kept attention
-    outputs cost `layers x s x heads x head_dim x 2` bytes; on the host, no GPU memory."""
+    """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after a
+    kept op (`ops`: an attention kernel, the gated delta rule), the cache entries holding CUDA tensors are swapped
+    for host copies. Why: kept attention outputs cost `layers x s x heads x head_dim x 2` bytes; on the host, no GPU
+    memory."""
 
-    def __init__(self, caching_mode, offload: HostOffload):
+    def __init__(self, caching_mode, offload: HostOffload, ops=frozenset(ATTENTION_OPS)):
         super().__init__()
-        self.storage, self.offload = caching_mode.storage, offload
+        self.storage, self.offload, self.ops = caching_mode.storage, offload, ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in ATTENTION_OPS:
+        if func in self.ops:
             with _disable_current_modes():  # the copies themselves must not land in the checkpoint's cache
                 self._offload_new_entries()
         return out

@@ -23,7 +23,7 @@ from .placement import segment_checkpoints
 GiB = 2**30
 LOSS_KINDS = ("fused", "plain")
 LOSS_KERNELS = ("auto", "liger", "ours")  # --loss_kernel: whose fused linear cross-entropy (levers/loss.py)
-ATTN_RECOMPUTE = ("auto", "always", "never")
+ATTN_RECOMPUTE = ("auto", "always", "never")  # --attn_recompute and --linear_recompute
 AUTO_ON_OFF = ("auto", "on", "off")  # --tiled_mlp, --lean_norm, --fused_kernels
 TILE_ABOVE_BYTES = 2 * GiB  # --tiled_mlp auto tiles when one seq x intermediate tensor of a layer would exceed this
 KEEP_DEVICE_FRACTION = 0.15  # --attn_recompute auto keeps the outputs while they take under this much of the device
@@ -50,6 +50,7 @@ class LeverRequest:
     gradient_checkpointing: bool = True
     attn_recompute: str = "auto"
     offload_activations: bool = False
+    linear_recompute: str = "auto"
     tiled_mlp: str = "auto"
     lean_norm: str = "auto"
     fused_kernels: str = "auto"
@@ -66,9 +67,9 @@ class LeverRequest:
         and its adapters' dropout."""
         lean = {"true": "on", "false": "off", True: "on", False: "off"}.get(levers.lean_norm, levers.lean_norm)
         return cls(levers.loss, levers.gradient_checkpointing, levers.attn_recompute, levers.offload_activations,
-                   levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights, levers.loss_kernel,
-                   levers.checkpoint_layers, str(levers.gpu_checkpoints), str(levers.checkpoint_every),
-                   adapter_dropout)
+                   levers.linear_recompute, levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights,
+                   levers.loss_kernel, levers.checkpoint_layers, str(levers.gpu_checkpoints),
+                   str(levers.checkpoint_every), adapter_dropout)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class Levers:
     loss_kernel: str = "ours"  # the fused loss's kernel: ours (levers/loss.py) or Liger-Kernel's
     checkpointing: bool = True  # every decoder layer checkpointed
     keep_attention: bool = True  # checkpointed layers keep the attention kernel's outputs (--attn_recompute never)
+    # checkpointed Gated DeltaNet layers keep the gated delta rule's outputs where FLA runs it (--linear_recompute
+    # never); None: the model has no such layers
+    keep_linear: Optional[bool] = None
     offload_activations: bool = False  # checkpoints (and kept outputs) in pinned host memory
     tiled_mlp: bool = False  # the MLP over sequence tiles
     lean_norm: bool = True  # RMSNorms save their input in the model dtype, not an fp32 copy
@@ -125,6 +129,8 @@ class Levers:
     def flags(self, ds_config: Optional[str] = None) -> str:
         """The command-line flags that ask for exactly these levers."""
         flags = [f"--attn_recompute {'never' if self.keep_attention else 'always'}"]
+        if self.keep_linear is not None:
+            flags.append(f"--linear_recompute {'never' if self.keep_linear else 'always'}")
         if self.loss == "fused" and self.loss_kernel == "ours":
             flags.append("--loss_kernel ours")
         if not self.checkpointing or self.checkpoint_layers is not None:
@@ -156,9 +162,24 @@ class Levers:
         return dataclasses.replace(self, **{lever: False}, why={**self.why, lever: reason})
 
 
-def kept_attention_bytes(g: dict, tokens: int, act_bytes: int) -> int:
-    """What keeping the attention outputs costs per rank: the output and its fp32 log-sum-exp, every layer."""
-    return g["layers"] * tokens * (g["attn_width"] * act_bytes + g["heads"] * 4)
+DELTA_CHUNK = 64  # FLA's chunk: a kept Gated DeltaNet output comes with a (tokens, value heads, 64) block
+
+
+def kept_output_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
+    """What keeping the mixer outputs of one layer (its `shape`, model/geometry.py) costs per rank (`--attn_recompute
+    never`): an attention layer's output and its fp32 log-sum-exp; a Gated DeltaNet layer's output, its decay's
+    cumulative sum (fp32) and FLA's A block (sp/gated_delta_op.py: kept where FLA runs the rule)."""
+    if shape.span.attention:
+        return tokens * (shape.attn_width * act_bytes + shape.heads * 4)
+    d = g["linear_attn"]
+    return tokens * (d["value_width"] * act_bytes + d["value_heads"] * (DELTA_CHUNK * act_bytes + 4))
+
+
+def kept_outputs_bytes(g: dict, tokens: int, act_bytes: int, attention: bool = True) -> int:
+    """What keeping the mixers' outputs costs per rank, every attention layer (or, `attention=False`, every Gated
+    DeltaNet layer): kept_output_bytes."""
+    return sum(kept_output_bytes(g, shape, tokens, act_bytes) for shape in g["layer_shapes"]
+               if shape.span.attention == attention)
 
 
 def checkpoint_bytes(g: dict, tokens: int, act_bytes: int) -> int:
@@ -172,7 +193,7 @@ def _keep_attention(request: LeverRequest, g: dict, tokens: int, act_bytes: int,
         return request.attn_recompute == "never", ""
     if device.type != "cuda":
         return False, "auto: recompute on the CPU"
-    kept = kept_attention_bytes(g, tokens, act_bytes)
+    kept = kept_outputs_bytes(g, tokens, act_bytes)  # the attention layers' (a DeltaNet layer's: _keep_linear)
     if offload:  # kept outputs go to the host with the checkpoints, from every local rank
         total = (kept + checkpoint_bytes(g, tokens, act_bytes)) * device.local_ranks
         limit = KEEP_HOST_FRACTION * device.host_memory_bytes
@@ -181,6 +202,33 @@ def _keep_attention(request: LeverRequest, g: dict, tokens: int, act_bytes: int,
     limit = KEEP_DEVICE_FRACTION * device.memory_bytes
     return kept < limit, f"auto: kept outputs {kept / GiB:.1f} GiB, {'under' if kept < limit else 'over'} " \
                          f"{limit / GiB:.1f} GiB of the device"
+
+
+def _keep_linear(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo, offload: bool,
+                 keep_attention: bool) -> tuple[Optional[bool], str]:
+    """`--linear_recompute`: whether the Gated DeltaNet layers keep the gated delta rule's outputs (None for a model
+    without them). auto: on the GPU, while those outputs, with the attention's kept beside them, take under
+    KEEP_DEVICE_FRACTION of the device, or with the offload (and the checkpoints) under KEEP_HOST_FRACTION of the
+    host; the planner's estimate may keep them where that is short (_keep_linear_where_the_plan_fits). The torch rule
+    (the CPU's) is a chain of small ops that selective checkpointing does not keep: only FLA's op is kept."""
+    if not g.get("linear_attn"):
+        return None, ""
+    if request.linear_recompute != "auto":
+        return request.linear_recompute == "never", ""
+    if device.type != "cuda":
+        return False, "auto: recompute on the CPU (the torch rule is not kept)"
+    kept = kept_outputs_bytes(g, tokens, act_bytes, attention=False)
+    beside = kept_outputs_bytes(g, tokens, act_bytes) if keep_attention else 0
+    if offload:
+        total = (kept + beside + checkpoint_bytes(g, tokens, act_bytes)) * device.local_ranks
+        limit = KEEP_HOST_FRACTION * device.host_memory_bytes
+        return total < limit, f"auto: the gated delta rule's kept outputs, the attention's and the checkpoints " \
+                              f"{total / GiB:.1f} GiB on the host, {'under' if total < limit else 'over'} " \
+                              f"{limit / GiB:.1f} GiB"
+    limit = KEEP_DEVICE_FRACTION * device.memory_bytes
+    return kept + beside < limit, f"auto: the gated delta rule's kept outputs {kept / GiB:.1f} GiB (and the " \
+                                  f"attention's {beside / GiB:.1f}), {'under' if kept + beside < limit else 'over'} " \
+                                  f"{limit / GiB:.1f} GiB of the device"
 
 
 def _tiled_mlp(mode: str, g: dict, tokens: int, act_bytes: int, dropout: float = 0.0) -> tuple[bool, str]:
@@ -221,9 +269,10 @@ def _loss_kernel(request: LeverRequest, device: DeviceInfo) -> tuple[str, str]:
 
 def with_checkpoint_layers(levers: Levers, n: int, layers: int) -> Levers:
     """The same levers with the first `n` of `layers` decoder layers checkpointed (0: none, so nothing is kept
-    of the attention either)."""
+    of the mixers either)."""
+    keep_linear = levers.keep_linear if levers.keep_linear is None else levers.keep_linear and n > 0
     return dataclasses.replace(levers, checkpointing=n > 0, keep_attention=levers.keep_attention and n > 0,
-                               checkpoint_layers=None if n >= layers else n)
+                               keep_linear=keep_linear, checkpoint_layers=None if n >= layers else n)
 
 
 def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, device: DeviceInfo,
@@ -269,6 +318,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     if request.offload_activations and not offload:
         why["offload_activations"] = "needs CUDA: the host is where activations live already"
     keep, why["keep_attention"] = _keep_attention(request, g, tokens, act_bytes, device, offload)
+    keep_linear, why["keep_linear"] = _keep_linear(request, g, tokens, act_bytes, device, offload,
+                                                   keep and request.gradient_checkpointing)
     tiled, why["tiled_mlp"] = _tiled_mlp(request.tiled_mlp, g, tokens, act_bytes, request.adapter_dropout)
     fused = request.fused_kernels == "on" or (request.fused_kernels == "auto" and device.type == "cuda"
                                               and device.triton)
@@ -277,6 +328,7 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     loss_kernel, why["loss_kernel"] = _loss_kernel(request, device)
     levers = Levers(loss=request.loss, loss_kernel=loss_kernel, checkpointing=request.gradient_checkpointing,
                     keep_attention=keep and request.gradient_checkpointing, offload_activations=offload,
+                    keep_linear=keep_linear if keep_linear is None else keep_linear and request.gradient_checkpointing,
                     tiled_mlp=tiled, lean_norm=request.lean_norm != "off", fused_kernels=fused,
                     share_master=request.share_master_weights, bf16_states=ds_choices.get("bf16_states", False),
                     offload_optimizer=ds_choices.get("offload_optimizer", False),
@@ -290,6 +342,7 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     levers = _keep_attention_where_the_plan_fits(levers, request, device, room)
     if request.checkpoint_layers != "auto":  # after the kept outputs, which save more where both do not fit
         levers = _untile_where_the_plan_fits(levers, request, device, room)
+    levers = _keep_linear_where_the_plan_fits(levers, request, device, room)  # the least saved per byte: last
     return segment_checkpoints(levers, request.checkpoint_every, request.gpu_checkpoints, g["layers"],
                                device.type == "cuda", fits)
 
@@ -307,6 +360,20 @@ def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, d
     return _if_the_plan_fits(levers, "keep_attention", True, KEEP_PLAN_FRACTION, fits, "with them", "kept")
 
 
+def _keep_linear_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
+                                     fits: Optional[Callable[..., bool]]) -> Levers:
+    """`--linear_recompute auto` on the GPU also keeps the gated delta rule's outputs when the planner's estimate of
+    the whole run with them stays under KEEP_PLAN_FRACTION of the device and of the host (with the offload they go to
+    the host: Qwen3.5-9B at 131k, 39 GiB beside 43 GiB of checkpoints and kept attention, 86 GiB planned of 125).
+    Judged last: per byte it saves the least time of the levers (a DeltaNet recurrence's forward, about a quarter of
+    its forward and backward)."""
+    if (levers.keep_linear is not False or not levers.checkpointing or request.linear_recompute != "auto"
+            or fits is None or device.type != "cuda"):
+        return levers
+    return _if_the_plan_fits(levers, "keep_linear", True, KEEP_PLAN_FRACTION, fits, "with them", "kept",
+                             host_share=KEEP_PLAN_FRACTION)
+
+
 def _untile_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
                                 fits: Optional[Callable[..., bool]]) -> Levers:
     """`--tiled_mlp auto` on the GPU leaves the MLP whole, though its tensors are over TILE_ABOVE_BYTES, when the
@@ -319,11 +386,11 @@ def _untile_where_the_plan_fits(levers: Levers, request: LeverRequest, device: D
 
 
 def _if_the_plan_fits(levers: Levers, lever: str, value: bool, fraction: float, fits: Callable[..., bool],
-                      plan: str, verdict: str) -> Levers:
+                      plan: str, verdict: str, host_share: float = 1.0) -> Levers:
     """The levers with `lever` set to `value` if the planner's estimate of the whole run so is under `fraction` of
-    the device, else as they were; the reason says which."""
+    the device (and `host_share` of the host), else as they were; the reason says which."""
     changed = dataclasses.replace(levers, **{lever: value})
-    under = fits(changed, fraction)
+    under = fits(changed, fraction, host_share=host_share)
     why = {**levers.why, lever: levers.why[lever] + (
         f"; the whole plan {plan} is {'under' if under else 'over'} {fraction:.0%} of the device"
         f"{': ' + verdict if under else ''}")}

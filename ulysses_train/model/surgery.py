@@ -113,8 +113,10 @@ def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 40
 
 
 def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Optional[HostOffload],
-                         layers: Optional[int] = None, gpu_checkpoints: int = 0, every: int = 1) -> int:
-    """transformers' gradient checkpointing, with our checkpoint function on every layer that has one; with `layers`
+                         layers: Optional[int] = None, gpu_checkpoints: int = 0, every: int = 1,
+                         keep_linear: bool = False) -> int:
+    """transformers' gradient checkpointing, with our checkpoint function on every layer that has one, keeping the
+    attention kernels' outputs (`keep_attention`) and the gated delta rule's (`keep_linear`); with `layers`
     only the first that many decoder layers are checkpointed and the others keep their activations. With `offload`
     the last `gpu_checkpoints` checkpointed layers keep what they save on the GPU, the others offload it; `every`:
     segments of that many layers share a checkpoint (levers/placement.py says why, and which layers).
@@ -129,7 +131,7 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    fn, patched = make_checkpoint_fn(keep_attention, offload), 0
+    fn, patched = make_checkpoint_fn(keep_attention, offload, keep_linear=keep_linear), 0
     decoder = _decoder_layers(model)
     n = len(decoder) if layers is None else min(layers, len(decoder))
     levers = Levers(checkpoint_layers=n, offload_activations=offload is not None, gpu_checkpoints=gpu_checkpoints,
@@ -139,7 +141,7 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
         if place.checkpointed:
             last = i % every == every - 1 or i == n - 1
             own[id(layer)] = make_checkpoint_fn(keep_attention, offload if place.on_host else None,
-                                                (chain, i % every, last) if every > 1 else None)
+                                                (chain, i % every, last) if every > 1 else None, keep_linear)
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = own.get(id(module), fn)
@@ -352,7 +354,7 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
         levers = check_liger_loss(levers, request, device, dtype)
     steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload,
                                                              levers.checkpoint_layers, levers.gpu_checkpoints,
-                                                             levers.checkpoint_every)),
+                                                             levers.checkpoint_every, levers.keep_linear)),
              ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size,
                                                          levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),

@@ -22,13 +22,15 @@ Packed documents (`--packing`) restart both the conv and the recurrence at each 
 (transformers' torch fallback ignores the `cu_seqlens` its layer passes, so plain transformers on a packed row lets
 the state flow across documents; the reference is each document run alone). The document lengths are the
 attention's (`UlyssesAttention.doc_lengths`, set per batch):
-- the conv: each document's channels get K-1 zeros in front of them, the whole batch as one row, then the module's
-  own kernel, then the inserted positions dropped: every output is the one its document alone gives, bit for bit;
+- the conv: FLA's takes the documents as `cu_seqlens`; with the modeling file's, each document's channels get K-1
+  zeros in front of them, the whole batch as one row, then the module's own kernel, then the inserted positions
+  dropped: every output is the one its document alone gives, bit for bit;
 - the recurrence: FLA's kernel takes the documents as `cu_seqlens` (the batch flattened to one row); the torch
   rule runs document by document.
 
-The rule's kernel is the run's `--linear_kernel` (linear_kernel.py: FLA's on CUDA, or transformers' torch rule), so
-the mixer is installed on every DeltaNet layer, at SP=1 and unpacked too (the all-to-alls are then the identity).
+The conv's and the rule's kernels are the run's `--linear_kernel` (linear_kernel.py: FLA's on CUDA, the rule through
+our op so checkpointing can keep its output; or the modeling file's conv and torch rule), so the mixer is installed on
+every DeltaNet layer, at SP=1 and unpacked too (the all-to-alls are then the identity).
 
 Head blocks are contiguous, as in attention.py: rank r holds value heads [r*nv/sp, (r+1)*nv/sp). transformers
 gives value head j the key head j // (nv/nk) (`repeat_interleave` in its gated delta rule), so these value heads
@@ -165,24 +167,39 @@ def _rule_by_document(kernel: LinearKernel, rule, q, k, v, g, beta, starts: torc
     return out.reshape(batch, length, *out.shape[2:])
 
 
+def _conv(self, mixed: torch.Tensor, weight, bias, starts: Optional[torch.Tensor]) -> torch.Tensor:
+    """The causal depthwise conv over this rank's channels, (b, s, C_r) -> (b, s, C_r): FLA's where the run's linear
+    kernel has it (restarting at `cu_seqlens`), else the modeling file's (each document alone: _conv_by_document)."""
+    fla_conv = self._sp_kernel.conv(self, self.activation)
+    batch, length, channels = mixed.shape
+    if fla_conv is not None:
+        if starts is None:
+            return fla_conv(mixed, weight, bias, self.activation)
+        bounds = torch.cat([starts, torch.tensor([batch * length])]).to(mixed.device)
+        out = fla_conv(mixed.reshape(1, batch * length, channels), weight, bias, self.activation, bounds)
+        return out.reshape(batch, length, channels)
+    kernels = sys.modules[type(self).__module__]
+    mixed = mixed.transpose(1, 2)  # (b, C_r, s), the modeling file's layout
+    if starts is None:
+        mixed = kernels.causal_conv1d_fn(mixed, weight, bias, activation=self.activation)
+    else:
+        mixed = _conv_by_document(kernels.causal_conv1d_fn, mixed, weight, bias, self.activation, starts)
+    return mixed.transpose(1, 2)
+
+
 def _local_mixer(self, q, k, v, g, beta, keys: range, values: range,
                  doc_lengths: Optional[list[list[int]]] = None) -> torch.Tensor:
-    """The causal conv and the gated delta rule over the whole sequence for this rank's heads: the conv of the
-    module's modeling file, the rule of the run's --linear_kernel (linear_kernel.py); with packed documents each
-    restarts at every document. q, k (b, s, nk_r, dk), v (b, s, nv_r, dv), g and beta (b, s, nv_r)
-    -> (b, s, nv_r, dv)."""
-    kernels = sys.modules[type(self).__module__]
+    """The causal conv and the gated delta rule over the whole sequence for this rank's heads, both of the run's
+    --linear_kernel (linear_kernel.py); with packed documents each restarts at every document. q, k (b, s, nk_r, dk),
+    v (b, s, nv_r, dv), g and beta (b, s, nv_r) -> (b, s, nv_r, dv)."""
     channels = _conv_channels(self, keys, values)
     weight = self.conv1d.weight.squeeze(1)[channels]  # (C_r, K): this rank's channels, its gradient's too
     bias = None if self.conv1d.bias is None else self.conv1d.bias[channels]
     batch, length = q.shape[:2]
     starts = None if doc_lengths is None else document_starts(doc_lengths, length)
-    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # (b, C_r, s)
-    if starts is None:
-        mixed = kernels.causal_conv1d_fn(mixed, weight, bias, activation=self.activation)
-    else:
-        mixed = _conv_by_document(kernels.causal_conv1d_fn, mixed, weight, bias, self.activation, starts)
-    q, k, v = torch.split(mixed.transpose(1, 2), [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
+    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # (b, s, C_r)
+    mixed = _conv(self, mixed, weight, bias, starts)
+    q, k, v = torch.split(mixed, [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
     q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
     v = v.reshape(batch, length, -1, self.head_v_dim)
     rule = self._sp_kernel.rule(self)

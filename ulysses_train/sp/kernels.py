@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import ring
+from . import gated_delta_op, ring
 from .fa4_op import FORWARD_OP, VARLEN_FORWARD_OP, fa4_attention, fa4_varlen_attention
 from .patterns import FULL, Pattern, patterned_sdpa
 
@@ -145,8 +145,8 @@ def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
     return name
 
 
-# the attention kernels as the dispatcher sees them (what selective checkpointing keeps and the offload moves): every
-# SDPA backend, our FA4 op, our ring op and the flash_attn package's
+# the attention kernels as the dispatcher sees them (what selective checkpointing keeps under --attn_recompute never,
+# and the offload moves): every SDPA backend, our FA4 op, our ring op and the flash_attn package's
 ATTENTION_OPS = [getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -156,3 +156,5 @@ try:
     ATTENTION_OPS.append(torch.ops.flash_attn._flash_attn_forward.default)
 except (AttributeError, RuntimeError):
     pass
+# the Gated DeltaNet layers' recurrence as the dispatcher sees it: our op of FLA's gated delta rule
+LINEAR_ATTENTION_OPS = [gated_delta_op.FORWARD_OP]

@@ -1,16 +1,21 @@
 """Which kernel runs the gated delta rule of the Gated DeltaNet layers (`--linear_kernel`), chosen once per run.
 
-- `fla`: flash-linear-attention's chunked kernel (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`, Triton; `pip
-  install -e ".[fla]"`). It takes packed documents as `cu_seqlens`. On CUDA only. On Hopper GPUs with Triton from
-  3.4 up to (not including) 3.7.1, FLA's gated backward (`chunk_bwd_dqkwg`) is wrong unless `tilelang` is installed,
-  which FLA then uses for it; FLA refuses that backward itself, at the first step.
+- `fla`: flash-linear-attention's chunked kernels (Triton; `pip install -e ".[fla]"`), through our registered op
+  (gated_delta_op.py: the same calls as FLA's `chunk_gated_delta_rule`, and checkpointing can keep its outputs), and
+  FLA's causal depthwise convolution (`fla.modules.causal_conv1d`) for the conv before it. Both take packed documents
+  as `cu_seqlens`. On CUDA only. On Hopper GPUs with Triton from 3.4 up to (not including) 3.7.1, FLA's gated
+  backward (`chunk_bwd_dqkwg`) is wrong unless `tilelang` is installed, which FLA then uses for it; FLA refuses that
+  backward itself, at the first step.
 - `torch`: transformers' reference implementation in the layer's own modeling file (`torch_chunk_gated_delta_rule`),
   exact, on any device, and more than ten times slower on a GPU.
 - `auto`: `fla` where it runs and agrees with `torch` in a self-check at start-up (forward and gradients on a small
   packed batch), else `torch`, the reason in the log (as `--loss_kernel auto` does for Liger-Kernel).
 
 Why we choose instead of transformers: transformers binds FLA at import whenever `fla` imports, on any device, and
-learns about Hopper's Triton only when a backward raises. The mixers (deltanet.py) call the kernel chosen here.
+learns about Hopper's Triton only when a backward raises. Why FLA's conv rather than the modeling file's: without the
+`causal-conv1d` package (or the hub kernel transformers fetches for it) the modeling file runs a depthwise
+`F.conv1d`, whose CUDA backward is slow at long sequences, and which needs zeros inserted between packed documents
+(deltanet.py); FLA's restarts at `cu_seqlens` itself. The mixers (deltanet.py) call the kernels chosen here.
 """
 
 from __future__ import annotations
@@ -26,6 +31,25 @@ from ..errors import ConfigError
 
 LINEAR_KERNELS = ("auto", "fla", "torch")
 SELF_CHECK_LIMIT = 2e-2  # relative, bf16 inputs: a kernel that miscompiles is off by order one
+FLA_CONV_ACTIVATIONS = ("silu", "swish", None)  # what FLA's causal conv applies after itself
+
+
+def fla_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+             cu_seqlens=None):
+    """transformers' `chunk_gated_delta_rule` signature over our op (gated_delta_op.py), for what the mixers ask:
+    no state in or out, q and k L2-normalised in the rule."""
+    from .gated_delta_op import gated_delta_rule
+
+    if initial_state is not None or output_final_state or not use_qk_l2norm_in_kernel:
+        raise NotImplementedError("the DeltaNet mixers train from a zero state with the L2-normalised rule")
+    return gated_delta_rule(q, k, v, g, beta, cu_seqlens), None
+
+
+def fla_conv(x, weight, bias, activation, cu_seqlens=None):
+    """FLA's causal depthwise conv: x (b, s, C), weight (C, K) -> (b, s, C), restarting at `cu_seqlens` (b = 1)."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens)[0]
 
 
 @dataclass(frozen=True)
@@ -34,13 +58,19 @@ class LinearKernel:
     why: str = ""  # under auto: why this one
 
     def rule(self, module) -> Callable:
-        """The gated delta rule for `module` (a DeltaNet mixer): FLA's, or its modeling file's torch function
-        (unwrapped from transformers' kernel dispatch, which would hand it FLA's when `fla` imports)."""
+        """The gated delta rule for `module` (a DeltaNet mixer), with the signature of transformers' rule: FLA's
+        through our op, or its modeling file's torch function (unwrapped from transformers' kernel dispatch, which
+        would hand it FLA's when `fla` imports)."""
         if self.name == "fla":
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-            return chunk_gated_delta_rule
+            return fla_rule
         return inspect.unwrap(sys.modules[type(module).__module__].torch_chunk_gated_delta_rule)
+
+    def conv(self, module, activation: Optional[str]) -> Optional[Callable]:
+        """FLA's causal depthwise conv `(x (b, s, C), weight (C, K), bias, activation, cu_seqlens) -> (b, s, C)`
+        where it runs this layer's activation, else None (the mixer runs its modeling file's)."""
+        if self.name != "fla" or activation not in FLA_CONV_ACTIVATIONS:
+            return None
+        return fla_conv
 
     @property
     def grouped_values(self) -> bool:
@@ -82,8 +112,6 @@ def self_check(device: torch.device, torch_rule: Callable) -> Optional[str]:
 
 
 def _compare(device: torch.device, torch_rule: Callable) -> Optional[str]:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     g = torch.Generator(device=device).manual_seed(0)
     nk, nv, d, docs = 2, 4, 64, [100, 28, 128]
     length = sum(docs)
@@ -100,7 +128,7 @@ def _compare(device: torch.device, torch_rule: Callable) -> Optional[str]:
     bounds = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device)
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
     grad_out = rand(1, length, nv, d).to(torch.bfloat16)
-    fla_out = chunk_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=bounds, **options)[0]
+    fla_out = fla_rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=bounds, **options)[0]
     fla_grads = torch.autograd.grad(fla_out, inputs, grad_out)
     q, k = (x.repeat_interleave(nv // nk, dim=2) for x in inputs[:2])  # the torch rule's heads, as the mixer's
     ref_out = torch.cat([torch_rule(*(x[:, a:b].float() for x in (q, k, inputs[2])), g=inputs[3][:, a:b],

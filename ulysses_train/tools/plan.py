@@ -36,20 +36,20 @@ from .plan_command import main as plan_command_main
 # cheapest first: what each costs in step time, as measured (docs/benchmarks.md); (flags, optimizer-state choices).
 # With the offload the checkpoints the GPU holds are placed by --gpu_checkpoints auto on every rung; segments
 # (--checkpoint_every auto: a layer forward more per extra layer of a segment) come only after every other lever
-# but the optimizer's offload, which would move 18 bytes a parameter onto a host that is already full
+# but the optimizer's offload, which would move 18 bytes a parameter onto a host that is already full. The Gated
+# DeltaNet layers' outputs (--linear_recompute) are kept where auto finds room on the rungs that keep attention's
 _OFFLOAD = dict(offload_activations=True, checkpoint_every="1")
+_RECOMPUTE = dict(attn_recompute="always", linear_recompute="always", tiled_mlp="on")
 LEVER_LADDER = [
     (LeverRequest(attn_recompute="never", tiled_mlp="off"), {}),  # kept attention: fastest
     (LeverRequest(attn_recompute="never", tiled_mlp="off", **_OFFLOAD), {}),  # copies overlap compute
     (LeverRequest(attn_recompute="never", tiled_mlp="on", **_OFFLOAD), {}),  # one more MLP forward
     (LeverRequest(attn_recompute="never", tiled_mlp="on", **_OFFLOAD),
      {"bf16_states": True}),  # TRL's precision for optimizer states
-    (LeverRequest(attn_recompute="always", tiled_mlp="on", **_OFFLOAD),
-     {"bf16_states": True}),  # ~15% slower
-    (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True),
-     {"bf16_states": True}),  # checkpoints every K layers
-    (LeverRequest(attn_recompute="always", tiled_mlp="on", **_OFFLOAD), {"offload_optimizer": True}),
-    (LeverRequest(attn_recompute="always", tiled_mlp="on", offload_activations=True), {"offload_optimizer": True}),
+    (LeverRequest(**_RECOMPUTE, **_OFFLOAD), {"bf16_states": True}),  # ~15% slower
+    (LeverRequest(**_RECOMPUTE, offload_activations=True), {"bf16_states": True}),  # checkpoints every K layers
+    (LeverRequest(**_RECOMPUTE, **_OFFLOAD), {"offload_optimizer": True}),
+    (LeverRequest(**_RECOMPUTE, offload_activations=True), {"offload_optimizer": True}),
 ]
 
 

@@ -11,7 +11,8 @@ Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks
                 guessed rate); norms, rotary and SwiGLU per token and width (fused or eager rates); residual adds at HBM
                 bandwidth; the Ulysses all-to-all of q, k, v and the output (sp > 1)
     recompute   a checkpointed layer runs its forward again before its backward, without the attention kernel when
-                its outputs are kept (`--attn_recompute never`: a DeltaNet layer keeps nothing and runs again); an
+                its outputs are kept (`--attn_recompute never`; a DeltaNet layer's recurrence likewise where its
+                outputs are kept, `Levers.keep_linear`); an
                 uncheckpointed layer (`--checkpoint_layers`) not at all
     backward    twice the linear FLOPs, 2.5x the attention (and DeltaNet) FLOPs at the backward rate, the elementwise
                 backward, the all-to-all again; the tiled MLP runs its MLP forward once more
@@ -42,7 +43,7 @@ from typing import Optional
 
 from ..levers.memory import NF4_BYTES
 from ..levers.placement import LayerPlace, layer_places
-from ..levers.policy import Levers
+from ..levers.policy import Levers, kept_output_bytes
 from ..model.geometry import LayerShape, Span
 
 KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
@@ -444,7 +445,7 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
     g, lv, p = run.g, run.levers, _pass(run, c, shape)
     place = place or LayerPlace(checkpointed, on_host=lv.offload_activations and checkpointed)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
-    keep = lv.keep_attention and shape.span.attention  # only attention kernels' outputs are kept
+    keep = lv.keep_attention if shape.span.attention else lv.keep_linear  # the mixer kernel's outputs
     forward = p.linear_fwd + p.lora_fwd + p.attn_fwd + p.elem_fwd + p.a2a
     recompute = (p.linear_fwd + p.lora_fwd + (0 if keep else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
     backward = p.linear_bwd + p.lora_bwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled
@@ -470,16 +471,16 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
 
 def _host_copy_seconds(run: Run, c: Constants, shape: LayerShape, place: LayerPlace, keep: bool) -> float:
     """Seconds of one direction of a layer's offload copies (PCIe per GPU, or its share of the host's bandwidth):
-    its input where it holds a checkpoint, and its kept attention outputs; 0 for a layer whose checkpoint stays on
-    the GPU (`--gpu_checkpoints`). A segment's first layer on the host has its input brought back for the
-    regenerating forward by the same prefetch that brings it back for its own recompute: no second copy."""
+    its input where it holds a checkpoint, and its kept mixer outputs (policy.kept_output_bytes); 0 for a layer
+    whose checkpoint stays on the GPU (`--gpu_checkpoints`). A segment's first layer on the host has its input
+    brought back for the regenerating forward by the same prefetch that brings it back for its own recompute: no
+    second copy."""
     if not (place.checkpointed and place.on_host):
         return 0.0
     g, b = run.g, run.act_bytes
     t = run.micro * math.ceil(run.seq_len / run.sp)
     per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
-    saved = (t * g["hidden"] * b if place.saves_input else 0) + (t * (shape.attn_width * b + shape.heads * 4)
-                                                                 if keep else 0)
+    saved = (t * g["hidden"] * b if place.saves_input else 0) + (kept_output_bytes(g, shape, t, b) if keep else 0)
     return saved / per_gpu
 
 
@@ -580,7 +581,8 @@ def _regenerating_layer(run: Run, c: Constants, shape: LayerShape, place: LayerP
     """`_layer` of a layer in its place, its regenerating forward (if any) booked."""
     mixer = "attention" if shape.span.attention else "linear attention"
     layer = _layer(run, c, shape, place.checkpointed, place)
-    if place.regenerates and place.saves_input and place.on_host and run.levers.keep_attention:
+    if place.regenerates and place.saves_input and place.on_host and (run.levers.keep_attention
+                                                                       or run.levers.keep_linear):
         # with kept outputs the offload's groups are per layer, and the prefetch has not reached the segment's
         # first input when its regenerating forward asks for it: that copy back is exposed
         layer["regenerate"] += _host_copy_seconds(run, c, shape, place, False)

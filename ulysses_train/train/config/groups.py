@@ -292,6 +292,16 @@ class LeverConfig(Settings):
                                                  "(without --checkpoint_layers auto), or with "
                                                  "--offload_activations while it and the checkpoints take under half "
                                                  "the host memory.")
+    linear_recompute: Literal[ATTN_RECOMPUTE] = _f("auto", "The Gated DeltaNet layers' --attn_recompute (Qwen3.5, "
+                                                   "Qwen3-Next): never: keep the gated delta rule's output (and the "
+                                                   "two tensors its backward reads, (value dim + 64) x value heads x "
+                                                   "2 bytes a token and layer) so the recompute skips the "
+                                                   "recurrence; FLA's kernel only (--linear_kernel). always: "
+                                                   "recompute it. auto: keep while that, beside the kept attention, "
+                                                   "takes under 15%% of the device memory (with "
+                                                   "--offload_activations: under half the host memory with the "
+                                                   "checkpoints), or while the planner's estimate of the whole run "
+                                                   "with it stays under 80%% of the device and of the host.")
     tiled_mlp: Literal[AUTO_ON_OFF] = _f("auto", "Run each dense MLP over sequence tiles of --mlp_tile_tokens, "
                                          "recomputed per tile in backward, so its seq x intermediate tensors never "
                                          "exist whole. auto: on when one such tensor would exceed 2 GiB, unless "

@@ -292,7 +292,7 @@ FREE_SETTINGS = frozenset({
     "eval_dataset", "eval_split", "eval_steps", "eval_samples", "evals_per_epoch", "saves_per_epoch",
     "ring_size",  # the same attention, split another way
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
-    "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "tiled_mlp",
+    "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "linear_recompute", "tiled_mlp",
     "mlp_tile_tokens", "share_master_weights", "lean_norm", "fused_kernels", "offload_activations",
     "gpu_checkpoints", "checkpoint_every", "loss_chunk_size", "loss_kernel", "linear_kernel"})
 

@@ -12,6 +12,7 @@ this object is loop.py; the command line, cli.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -322,6 +323,10 @@ class Trainer:
                                               cfg.levers.linear_kernel, self.attention if cfg.data.packing else None)
         if self.linear_kernel is not None and self.linear_kernel.why:
             self.log(f"linear_kernel {self.linear_kernel.why}")
+        if self.levers.keep_linear and self.linear_kernel is not None and self.linear_kernel.name != "fla":
+            self.levers = dataclasses.replace(self.levers, keep_linear=False, why={
+                **self.levers.why, "keep_linear": "off: the torch rule (--linear_kernel torch) is not a kept op; "
+                                                  "its recurrence runs again in the recompute"})
         if self.levers.why:
             self.log("levers: " + "; ".join(f"{lever} {reason}" for lever, reason in self.levers.why.items()))
         return model
@@ -428,7 +433,9 @@ class Trainer:
         checkpointed = f"{lv.checkpointed(layers)} of {layers} layers" if lv.checkpointing else "off"
         deltanet = (f" | DeltaNet mixers: {counts['DeltaNet mixer'][0]} ({self.linear_kernel.name})"
                     if "DeltaNet mixer" in counts else "")
-        return (f"loss {loss} | checkpointing {checkpointed} (attention kept: {lv.keep_attention}, offload: "
+        kept = f"attention kept: {lv.keep_attention}" + ("" if lv.keep_linear is None else
+                                                          f", gated delta rule kept: {lv.keep_linear}")
+        return (f"loss {loss} | checkpointing {checkpointed} ({kept}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}{deltanet}")
 
