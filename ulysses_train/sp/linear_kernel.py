@@ -106,9 +106,37 @@ def fla_problem(device: torch.device) -> Optional[str]:
 
 
 def self_check(device: torch.device, torch_rule: Callable) -> Optional[str]:
-    """FLA against the torch rule on a small packed batch, bf16, forward and gradients; None when they agree."""
+    """FLA's rule against the torch rule, and FLA's conv against F.conv1d, on a small packed batch, bf16, forward and
+    gradients; None when they agree."""
     with torch.enable_grad():
-        return _compare(device, torch_rule)
+        return _compare(device, torch_rule) or _compare_conv(device)
+
+
+def _relative_errors(names, ours, refs) -> Optional[str]:
+    for name, a, b in zip(names, ours, refs):
+        error = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        if not error <= SELF_CHECK_LIMIT:
+            return f"FLA's {name} is {error:.1e} off the torch reference (limit {SELF_CHECK_LIMIT:.0e})"
+    return None
+
+
+def _compare_conv(device: torch.device) -> Optional[str]:
+    """FLA's causal conv with SiLU over packed documents against a depthwise F.conv1d on each document alone."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=device).manual_seed(1)
+    docs, channels, width = [100, 28, 128], 64, 4
+    x = torch.randn(1, sum(docs), channels, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(channels, width, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+    bounds = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device)
+    grad_out = torch.randn(1, sum(docs), channels, generator=g, device=device).to(torch.bfloat16)
+    ours = fla_conv(x, weight, None, "silu", bounds)
+    ref = torch.cat([F.silu(F.conv1d(x[:, a:b].float().transpose(1, 2), weight.float()[:, None], padding=width - 1,
+                                     groups=channels)[..., :b - a]).transpose(1, 2)
+                     for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())], dim=1)
+    return _relative_errors(["conv output", "conv dx", "conv dweight"],
+                            [ours, *torch.autograd.grad(ours, (x, weight), grad_out)],
+                            [ref, *torch.autograd.grad(ref, (x, weight), grad_out.float())])
 
 
 def _compare(device: torch.device, torch_rule: Callable) -> Optional[str]:
@@ -135,12 +163,8 @@ def _compare(device: torch.device, torch_rule: Callable) -> Optional[str]:
                                     beta=inputs[4][:, a:b].float(), **options)[0]
                          for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())], dim=1)
     ref_grads = torch.autograd.grad(ref_out, inputs, grad_out.float())
-    names = ["output", "dq", "dk", "dv", "dg", "dbeta"]
-    for name, ours, ref in zip(names, [fla_out, *fla_grads], [ref_out, *ref_grads]):
-        error = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
-        if not error <= SELF_CHECK_LIMIT:
-            return f"FLA's {name} is {error:.1e} off the torch reference (limit {SELF_CHECK_LIMIT:.0e})"
-    return None
+    return _relative_errors(["output", "dq", "dk", "dv", "dg", "dbeta"], [fla_out, *fla_grads],
+                            [ref_out, *ref_grads])
 
 
 def choose_linear_kernel(request: str, device: torch.device, torch_rule: Callable) -> LinearKernel:
