@@ -3,8 +3,11 @@ against transformers' torch rule in fp32 on each document alone, and --linear_ke
 
 Qwen3.5's layer at reduced width (2 key heads and 4 value heads of 128, as the real model's head size), 3 DeltaNet
 layers and one gated attention layer, in bf16 through our mixer with FLA; the reference is the same weights in fp32
-through transformers with the torch rule, each document alone. bf16 against fp32: held at 2e-2 relative per tensor
-(the median far below), where a wrong document restart or a miscompiled backward is off by order one."""
+through transformers with the torch rule, each document alone. bf16 against fp32: each gradient held to twice
+transformers' own bf16 error on the same weights (as --verify holds a run, docs/verify.md), or 2e-2 where that is
+smaller; a wrong document restart or a miscompiled backward is off by order one. The decay's parameters (A_log, the
+`a` projection) sum many small contributions with cancellation: in bf16 they come out about 4% from fp32 on an H100
+with FLA 0.6.0, with the kernels FLA's own rule and ours run alike (the same numbers kept or recomputed)."""
 
 import pytest
 import torch
@@ -38,9 +41,9 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _reference(state, ids, docs, monkeypatch):
-    """fp32 plain transformers with its torch rule (not the FLA binding it makes when `fla` imports), each document
-    alone: the loss (mean over targets) and gradients."""
+def _reference(state, ids, docs, monkeypatch, dtype=torch.float32):
+    """Plain transformers with its torch rule (not the FLA binding it makes when `fla` imports), each document
+    alone, in `dtype`: the loss (mean over targets) and gradients."""
     import inspect
 
     from transformers import AutoModelForCausalLM
@@ -50,6 +53,7 @@ def _reference(state, ids, docs, monkeypatch):
                         inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule))
     model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa").cuda()
     model.load_state_dict(state)
+    model.to(dtype)
     bounds = [0, *torch.tensor(docs).cumsum(0).tolist()]
     targets = SEQ - len(docs)
     loss = sum(model(input_ids=ids[:, a:b], labels=ids[:, a:b]).loss * (b - a - 1)
@@ -95,9 +99,11 @@ def test_fla_mixer_in_bf16_matches_the_torch_rule_in_fp32(packed, kept, monkeypa
     assert len(calls) == 3  # once per DeltaNet layer: not again in a recompute
     ref_loss, ref_grads = _reference(state, ids, docs, monkeypatch)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-2)
-    errors = {n: _rel(p.grad, ref_grads[n]) for n, p in model.named_parameters() if ref_grads[n].norm() > 0}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 2e-2, (worst, errors[worst])
+    _, own_grads = _reference(state, ids, docs, monkeypatch, torch.bfloat16)  # transformers' own bf16
+    over = {n: (_rel(p.grad, ref_grads[n]), _rel(own_grads[n], ref_grads[n])) for n, p in model.named_parameters()
+            if ref_grads[n].norm() > 0}
+    over = {n: errors for n, errors in over.items() if errors[0] > max(2e-2, 2 * errors[1])}
+    assert not over, over  # name -> (ours, transformers' bf16) relative to fp32
 
 
 def test_linear_kernel_auto_picks_fla_where_it_runs_and_agrees():
