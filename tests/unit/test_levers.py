@@ -188,24 +188,21 @@ def test_fused_kernels_with_every_lever_do_not_change_loss_or_gradients(sp):
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["list", "dict"])
-def test_kept_output_offload_handles_both_cache_layouts(layout):
-    """torch 2.11's selective-checkpoint cache holds a list of outputs per op, later versions a dict keyed by call
-    index: both must have their tensors swapped for host copies (the 2.11 layout broke the H200 runs once)."""
+def test_kept_output_offload_swaps_the_stored_outputs_for_host_copies():
+    """After a kept op, the outputs the keeping mode stored go to the host (once: a host copy is not copied again),
+    and come back equal."""
+    from ulysses_train.levers.checkpointing import KeptOutput
     from ulysses_train.levers.offload import HostOffload, OffloadKeptOutputs, _HostCopy
 
-    class Entry:  # stands in for torch's _VersionWrapper
-        def __init__(self, t):
-            self.val = t
-
     kept = torch.arange(1 << 18, dtype=torch.float32)
-    storage = {"attention": [Entry(kept)] if layout == "list" else {0: Entry(kept)}}
+    storage = {"attention": [(KeptOutput(kept), 3)]}  # an op's outputs: a tensor and a plain number
     offload = HostOffload(min_bytes=0)
     mode = OffloadKeptOutputs.__new__(OffloadKeptOutputs)
     mode.storage, mode.offload = storage, offload
     mode._offload_new_entries()
-    entry = storage["attention"][0]
-    assert isinstance(entry, _HostCopy) and offload.host_bytes == kept.numel() * 4
+    mode._offload_new_entries()
+    entry, number = storage["attention"][0]
+    assert isinstance(entry, _HostCopy) and number == 3 and offload.host_bytes == kept.numel() * 4
     assert torch.equal(entry.get_val(), kept)
 
 

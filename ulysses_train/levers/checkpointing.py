@@ -1,6 +1,6 @@
 """Activation checkpointing of every decoder layer, with kept attention outputs (`--attn_recompute never`).
 
-Selective checkpointing that saves the attention kernel's outputs (the output and its log-sum-exp) in the forward,
+Checkpointing that saves the attention kernel's outputs (the output and its log-sum-exp) in the forward,
 so the recompute before a layer's backward re-runs everything except the kernel, the most expensive op at long
 context (what keeping them saves: docs/benchmarks.md, "What each lever buys"); likewise a Gated DeltaNet layer's
 recurrence where FLA runs it (its output and the two tensors its backward reads: sp/gated_delta_op.py). Costs about
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import defaultdict
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
 
 from ..sp.kernels import ATTENTION_OPS, LINEAR_ATTENTION_OPS
 from .offload import HostOffload, OffloadKeptOutputs
@@ -29,12 +32,56 @@ def kept_ops(keep_attention: bool, keep_linear: bool = False) -> frozenset:
     return frozenset((ATTENTION_OPS if keep_attention else []) + (LINEAR_ATTENTION_OPS if keep_linear else []))
 
 
-def _save_kept_outputs(ops: frozenset, ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+class KeptOutput:
+    """One kept tensor, read back through `get_val` (the interface the offload's host copies share)."""
+
+    def __init__(self, val: torch.Tensor):
+        self.val = val
+
+    def get_val(self, allow_cache_entry_mutation: bool = False) -> torch.Tensor:
+        return self.val
+
+
+class KeepOutputs(TorchDispatchMode):
+    """The checkpoint's forward: every op runs; the outputs of the kept ops are stored per op, in call order.
+
+    Why not torch's selective checkpointing (`create_selective_checkpoint_contexts` with a MUST_SAVE policy): from
+    torch 2.13 it records every op of the region and requires the recompute to issue the same sequence, and ZeRO-3
+    gathers parameters inside the region (module hooks, a DeltaNet layer's conv weight read directly) as its prefetch
+    allows, differently in the forward and in the recompute: the recompute then fails on an `aten.cat` the forward
+    did not run. Only the kept ops' order matters, and nothing but the layer calls them."""
+
+    def __init__(self, ops: frozenset, storage: dict):
+        super().__init__()
+        self.ops, self.storage = ops, storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            self.storage[func].append(tree_map(lambda x: KeptOutput(x.detach()) if isinstance(x, torch.Tensor)
+                                               else x, out))
+        return out
+
+
+class UseKeptOutputs(TorchDispatchMode):
+    """The checkpoint's recompute: every op runs again but the kept ones, whose stored outputs come back in order."""
+
+    def __init__(self, ops: frozenset, storage: dict):
+        super().__init__()
+        self.ops, self.storage = ops, storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.ops:
+            return func(*args, **(kwargs or {}))
+        if not self.storage[func]:
+            raise RuntimeError(f"the recompute of a checkpointed layer calls {func} more often than its forward did "
+                               f"(levers/checkpointing.py keeps one output per call)")
+        return tree_map(lambda x: x.get_val() if hasattr(x, "get_val") else x, self.storage[func].pop(0))
 
 
 def _keep_contexts(ops: frozenset, offload: Optional[HostOffload]):
-    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(functools.partial(_save_kept_outputs, ops))
+    storage = defaultdict(list)
+    forward_ctx, recompute_ctx = KeepOutputs(ops, storage), UseKeptOutputs(ops, storage)
     if offload is None:
         return forward_ctx, recompute_ctx
     return _Both(forward_ctx, OffloadKeptOutputs(forward_ctx, offload, ops)), recompute_ctx

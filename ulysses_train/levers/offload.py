@@ -197,8 +197,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _HostCopy:
-    """Stands in for a selective-checkpoint cache entry (torch's `_VersionWrapper`, read through `get_val`) whose
-    tensor went to the host; `get_val` brings it back through the offload's prefetching unpack."""
+    """Stands in for a kept output (checkpointing.KeptOutput, read through `get_val`) whose tensor went to the host;
+    `get_val` brings it back through the offload's prefetching unpack."""
 
     def __init__(self, offload: HostOffload, item):
         self.offload, self.item = offload, item
@@ -208,14 +208,14 @@ class _HostCopy:
 
 
 class OffloadKeptOutputs(TorchDispatchMode):
-    """Entered after the selective-checkpoint caching mode, so it sees each op before that mode caches it: after a
-    kept op (`ops`: an attention kernel, the gated delta rule), the cache entries holding CUDA tensors are swapped
-    for host copies. Why: kept attention outputs cost `layers x s x heads x head_dim x 2` bytes; on the host, no GPU
-    memory."""
+    """Entered after the checkpoint's keeping mode (checkpointing.KeepOutputs), so it sees each op before that mode
+    stores it: after a kept op (`ops`: an attention kernel, the gated delta rule), the stored entries holding CUDA
+    tensors are swapped for host copies. Why: kept attention outputs cost `layers x s x heads x head_dim x 2` bytes;
+    on the host, no GPU memory."""
 
-    def __init__(self, caching_mode, offload: HostOffload, ops=frozenset(ATTENTION_OPS)):
+    def __init__(self, keeping_mode, offload: HostOffload, ops=frozenset(ATTENTION_OPS)):
         super().__init__()
-        self.storage, self.offload, self.ops = caching_mode.storage, offload, ops
+        self.storage, self.offload, self.ops = keeping_mode.storage, offload, ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -225,11 +225,9 @@ class OffloadKeptOutputs(TorchDispatchMode):
         return out
 
     def _offload_new_entries(self) -> None:
-        for entries in self.storage.values():
-            # torch 2.11 keeps a list of outputs per op, later versions a dict keyed by call index
-            keys = entries.keys() if isinstance(entries, dict) else range(len(entries))
-            for idx in keys:
-                entries[idx] = _offload_entry(entries[idx], self.offload)
+        for entries in self.storage.values():  # a list of outputs per op, in call order
+            for idx, entry in enumerate(entries):
+                entries[idx] = _offload_entry(entry, self.offload)
 
 
 def _offload_entry(entry, offload: HostOffload):
