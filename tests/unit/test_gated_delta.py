@@ -20,7 +20,7 @@ def reference_kernels(monkeypatch):
     from ulysses_train.sp.linear_kernel import LinearKernel
 
     monkeypatch.setattr(gated_delta_op, "IMPL", dict(gated_delta_op.REFERENCE_IMPL))
-    monkeypatch.setattr(LinearKernel, "conv", lambda self, module, activation: None)
+    monkeypatch.setattr(LinearKernel, "conv", lambda self, activation: None)
     return gated_delta_op
 
 

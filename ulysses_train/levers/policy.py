@@ -187,30 +187,37 @@ def checkpoint_bytes(g: dict, tokens: int, act_bytes: int) -> int:
     return g["layers"] * tokens * g["hidden"] * act_bytes
 
 
+def _kept_within_rules(kept: int, what: str, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
+                       offload: bool) -> tuple[bool, str]:
+    """`auto`'s first rules for kept outputs of `kept` bytes per rank: with the offload they go to the host with the
+    checkpoints, from every local rank, and must stay under KEEP_HOST_FRACTION of it; else under
+    KEEP_DEVICE_FRACTION of the device."""
+    if offload:
+        total = (kept + checkpoint_bytes(g, tokens, act_bytes)) * device.local_ranks
+        limit = KEEP_HOST_FRACTION * device.host_memory_bytes
+        return total < limit, f"auto: {what} and checkpoints {total / GiB:.1f} GiB on the host, " \
+                              f"{'under' if total < limit else 'over'} {limit / GiB:.1f} GiB"
+    limit = KEEP_DEVICE_FRACTION * device.memory_bytes
+    return kept < limit, f"auto: {what} {kept / GiB:.1f} GiB, {'under' if kept < limit else 'over'} " \
+                         f"{limit / GiB:.1f} GiB of the device"
+
+
 def _keep_attention(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
                     offload: bool) -> tuple[bool, str]:
     if request.attn_recompute != "auto":
         return request.attn_recompute == "never", ""
     if device.type != "cuda":
         return False, "auto: recompute on the CPU"
-    kept = kept_outputs_bytes(g, tokens, act_bytes)  # the attention layers' (a DeltaNet layer's: _keep_linear)
-    if offload:  # kept outputs go to the host with the checkpoints, from every local rank
-        total = (kept + checkpoint_bytes(g, tokens, act_bytes)) * device.local_ranks
-        limit = KEEP_HOST_FRACTION * device.host_memory_bytes
-        return total < limit, f"auto: kept outputs and checkpoints {total / GiB:.1f} GiB on the host, " \
-                              f"{'under' if total < limit else 'over'} {limit / GiB:.1f} GiB"
-    limit = KEEP_DEVICE_FRACTION * device.memory_bytes
-    return kept < limit, f"auto: kept outputs {kept / GiB:.1f} GiB, {'under' if kept < limit else 'over'} " \
-                         f"{limit / GiB:.1f} GiB of the device"
+    return _kept_within_rules(kept_outputs_bytes(g, tokens, act_bytes), "kept outputs", g, tokens, act_bytes, device,
+                              offload)
 
 
 def _keep_linear(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo, offload: bool,
                  keep_attention: bool) -> tuple[Optional[bool], str]:
     """`--linear_recompute`: whether the Gated DeltaNet layers keep the gated delta rule's outputs (None for a model
-    without them). auto: on the GPU, while those outputs, with the attention's kept beside them, take under
-    KEEP_DEVICE_FRACTION of the device, or with the offload (and the checkpoints) under KEEP_HOST_FRACTION of the
-    host; the planner's estimate may keep them where that is short (_keep_linear_where_the_plan_fits). The torch rule
-    (the CPU's) is a chain of small ops that selective checkpointing does not keep: only FLA's op is kept."""
+    without them). auto: on the GPU, by the kept attention's rules with the attention's kept outputs counted beside
+    them; the planner's estimate may keep them where that is short (_keep_linear_where_the_plan_fits). The torch rule
+    (the CPU's) is a chain of small ops that the checkpoint does not keep: only FLA's op is kept."""
     if not g.get("linear_attn"):
         return None, ""
     if request.linear_recompute != "auto":
@@ -219,16 +226,8 @@ def _keep_linear(request: LeverRequest, g: dict, tokens: int, act_bytes: int, de
         return False, "auto: recompute on the CPU (the torch rule is not kept)"
     kept = kept_outputs_bytes(g, tokens, act_bytes, attention=False)
     beside = kept_outputs_bytes(g, tokens, act_bytes) if keep_attention else 0
-    if offload:
-        total = (kept + beside + checkpoint_bytes(g, tokens, act_bytes)) * device.local_ranks
-        limit = KEEP_HOST_FRACTION * device.host_memory_bytes
-        return total < limit, f"auto: the gated delta rule's kept outputs, the attention's and the checkpoints " \
-                              f"{total / GiB:.1f} GiB on the host, {'under' if total < limit else 'over'} " \
-                              f"{limit / GiB:.1f} GiB"
-    limit = KEEP_DEVICE_FRACTION * device.memory_bytes
-    return kept + beside < limit, f"auto: the gated delta rule's kept outputs {kept / GiB:.1f} GiB (and the " \
-                                  f"attention's {beside / GiB:.1f}), {'under' if kept + beside < limit else 'over'} " \
-                                  f"{limit / GiB:.1f} GiB of the device"
+    return _kept_within_rules(kept + beside, "the gated delta rule's and the attention's kept outputs", g, tokens,
+                              act_bytes, device, offload)
 
 
 def _tiled_mlp(mode: str, g: dict, tokens: int, act_bytes: int, dropout: float = 0.0) -> tuple[bool, str]:

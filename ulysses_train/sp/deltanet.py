@@ -151,12 +151,17 @@ def _conv_by_document(conv, mixed: torch.Tensor, weight, bias, activation, start
     return out.reshape(channels, batch, length).transpose(0, 1)
 
 
+def _document_bounds(starts: torch.Tensor, total: int) -> torch.Tensor:
+    """The documents' start offsets and the flattened batch's length: FLA's `cu_seqlens` (int64, on the CPU)."""
+    return torch.cat([starts, torch.tensor([total])])
+
+
 def _rule_by_document(kernel: LinearKernel, rule, q, k, v, g, beta, starts: torch.Tensor) -> torch.Tensor:
     """The gated delta rule restarting at every document: q, k (b, s, nk, dk), v (b, s, nv, dv), g, beta (b, s, nv)
     -> (b, s, nv, dv). FLA's kernel in one call over the flattened batch; the torch rule per document."""
     batch, length = q.shape[:2]
     flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    bounds = torch.cat([starts, torch.tensor([batch * length])])
+    bounds = _document_bounds(starts, batch * length)
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
     if kernel.takes_documents:
         out, _ = rule(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=bounds.to(q.device), **options)
@@ -170,12 +175,12 @@ def _rule_by_document(kernel: LinearKernel, rule, q, k, v, g, beta, starts: torc
 def _conv(self, mixed: torch.Tensor, weight, bias, starts: Optional[torch.Tensor]) -> torch.Tensor:
     """The causal depthwise conv over this rank's channels, (b, s, C_r) -> (b, s, C_r): FLA's where the run's linear
     kernel has it (restarting at `cu_seqlens`), else the modeling file's (each document alone: _conv_by_document)."""
-    fla_conv = self._sp_kernel.conv(self, self.activation)
+    fla_conv = self._sp_kernel.conv(self.activation)
     batch, length, channels = mixed.shape
     if fla_conv is not None:
         if starts is None:
             return fla_conv(mixed, weight, bias, self.activation)
-        bounds = torch.cat([starts, torch.tensor([batch * length])]).to(mixed.device)
+        bounds = _document_bounds(starts, batch * length).to(mixed.device)
         out = fla_conv(mixed.reshape(1, batch * length, channels), weight, bias, self.activation, bounds)
         return out.reshape(batch, length, channels)
     kernels = sys.modules[type(self).__module__]

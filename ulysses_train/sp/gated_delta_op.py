@@ -100,10 +100,10 @@ def _gated_delta_bwd_fake(do, q, k, v, g_cumsum, beta, a, scale, cu_seqlens=None
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _g, beta, scale, cu_seqlens = inputs
-    _o, g_cumsum, a = output
+    q, k, v, g, beta, scale, cu_seqlens = inputs
+    _, g_cumsum, a = output
     ctx.save_for_backward(q, k, v, g_cumsum, beta, a, *([cu_seqlens] if cu_seqlens is not None else []))
-    ctx.scale, ctx.g_dtype = scale, _g.dtype
+    ctx.scale, ctx.g_dtype = scale, g.dtype
 
 
 def _backward(ctx, do, _dg_cumsum, _da):  # the kept auxiliaries: nothing differentiates through them

@@ -65,7 +65,7 @@ class LinearKernel:
             return fla_rule
         return inspect.unwrap(sys.modules[type(module).__module__].torch_chunk_gated_delta_rule)
 
-    def conv(self, module, activation: Optional[str]) -> Optional[Callable]:
+    def conv(self, activation: Optional[str]) -> Optional[Callable]:
         """FLA's causal depthwise conv `(x (b, s, C), weight (C, K), bias, activation, cu_seqlens) -> (b, s, C)`
         where it runs this layer's activation, else None (the mixer runs its modeling file's)."""
         if self.name != "fla" or activation not in FLA_CONV_ACTIVATIONS:
