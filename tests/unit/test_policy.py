@@ -289,7 +289,7 @@ def test_hybrid_models_count_kept_outputs_per_layer_type_and_keep_the_deltanet_o
     """Qwen3.5-9B (24 Gated DeltaNet, 8 attention layers) at 131k on one H200 with the offload: the attention layers'
     kept outputs are 8 layers' (8.7 GB), not 32 layers' as if every layer attended (that count sent them over half
     the host with the checkpoints: recomputed); the DeltaNet layers' (39 GB) go over that rule and are kept by the
-    plan's room (86 GiB of 125 planned); with a host of 96 GiB they are recomputed, and the trainer and the planner
+    plan's room (80 GiB of 125 planned); with a host of 96 GiB they are recomputed, and the trainer and the planner
     agree. A full-attention model has no such lever (None), and its flags do not name it."""
     from ulysses_train.levers.memory import checkpoint_split
     from ulysses_train.levers.policy import kept_outputs_bytes

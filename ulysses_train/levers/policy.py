@@ -363,7 +363,7 @@ def _keep_linear_where_the_plan_fits(levers: Levers, request: LeverRequest, devi
                                      fits: Optional[Callable[..., bool]]) -> Levers:
     """`--linear_recompute auto` on the GPU also keeps the gated delta rule's outputs when the planner's estimate of
     the whole run with them stays under KEEP_PLAN_FRACTION of the device and of the host (with the offload they go to
-    the host: Qwen3.5-9B at 131k, 39 GiB beside 43 GiB of checkpoints and kept attention, 86 GiB planned of 125).
+    the host: Qwen3.5-9B at 131k, 36 GiB beside 40 GiB of checkpoints and kept attention, 80 GiB planned of 125).
     Judged last: per byte it saves the least time of the levers (a DeltaNet recurrence's forward, about a quarter of
     its forward and backward)."""
     if (levers.keep_linear is not False or not levers.checkpointing or request.linear_recompute != "auto"

@@ -15,7 +15,7 @@ the host. It is the same arithmetic as FLA's Function, call for call: `chunk_gat
 
 The L2 normalisation of q and k (transformers' `use_qk_l2norm_in_kernel=True`) runs before the op, as FLA's own
 `l2norm` Function (the same kernels FLA's rule runs inside itself), so the recompute re-runs it (cheap) and the op's
-backward stays FLA's. What is kept costs per token and layer (dv + 64) x hv x 2 + 4 x hv bytes: 12.4 KiB for
+backward stays FLA's. What is kept costs per token and layer (dv + 64) x hv x 2 + 4 x hv bytes: 12.1 KiB for
 Qwen3.5-9B's 32 value heads, against 8 KiB of attention output for its attention layers.
 
 Packed documents come as `cu_seqlens` (int64 starts and the total, over the batch flattened to one row).
