@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..families import record_of
+from ..sp.gated_delta_op import CHUNK as FLA_CHUNK  # a kept DeltaNet output comes with a (tokens, heads, 64) block
 from .placement import segment_checkpoints
 
 GiB = 2**30
@@ -162,9 +163,6 @@ class Levers:
         return dataclasses.replace(self, **{lever: False}, why={**self.why, lever: reason})
 
 
-DELTA_CHUNK = 64  # FLA's chunk: a kept Gated DeltaNet output comes with a (tokens, value heads, 64) block
-
-
 def kept_output_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
     """What keeping the mixer outputs of one layer (its `shape`, model/geometry.py) costs per rank (`--attn_recompute
     never`): an attention layer's output and its fp32 log-sum-exp; a Gated DeltaNet layer's output, its decay's
@@ -172,7 +170,7 @@ def kept_output_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
     if shape.span.attention:
         return tokens * (shape.attn_width * act_bytes + shape.heads * 4)
     d = g["linear_attn"]
-    return tokens * (d["value_width"] * act_bytes + d["value_heads"] * (DELTA_CHUNK * act_bytes + 4))
+    return tokens * (d["value_width"] * act_bytes + d["value_heads"] * (FLA_CHUNK * act_bytes + 4))
 
 
 def kept_outputs_bytes(g: dict, tokens: int, act_bytes: int, attention: bool = True) -> int:
@@ -266,12 +264,17 @@ def _loss_kernel(request: LeverRequest, device: DeviceInfo) -> tuple[str, str]:
     return "liger", "auto: Liger-Kernel's on CUDA"
 
 
+def _kept_if(lever: Optional[bool], condition: bool) -> Optional[bool]:
+    """An optional keep lever (None: the model has no such layers) switched off where `condition` fails."""
+    return None if lever is None else lever and condition
+
+
 def with_checkpoint_layers(levers: Levers, n: int, layers: int) -> Levers:
     """The same levers with the first `n` of `layers` decoder layers checkpointed (0: none, so nothing is kept
     of the mixers either)."""
-    keep_linear = levers.keep_linear if levers.keep_linear is None else levers.keep_linear and n > 0
     return dataclasses.replace(levers, checkpointing=n > 0, keep_attention=levers.keep_attention and n > 0,
-                               keep_linear=keep_linear, checkpoint_layers=None if n >= layers else n)
+                               keep_linear=_kept_if(levers.keep_linear, n > 0),
+                               checkpoint_layers=None if n >= layers else n)
 
 
 def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, device: DeviceInfo,
@@ -327,7 +330,7 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     loss_kernel, why["loss_kernel"] = _loss_kernel(request, device)
     levers = Levers(loss=request.loss, loss_kernel=loss_kernel, checkpointing=request.gradient_checkpointing,
                     keep_attention=keep and request.gradient_checkpointing, offload_activations=offload,
-                    keep_linear=keep_linear if keep_linear is None else keep_linear and request.gradient_checkpointing,
+                    keep_linear=_kept_if(keep_linear, request.gradient_checkpointing),
                     tiled_mlp=tiled, lean_norm=request.lean_norm != "off", fused_kernels=fused,
                     share_master=request.share_master_weights, bf16_states=ds_choices.get("bf16_states", False),
                     offload_optimizer=ds_choices.get("offload_optimizer", False),

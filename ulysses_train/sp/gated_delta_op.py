@@ -1,5 +1,5 @@
 """The chunked gated delta rule of flash-linear-attention as two registered torch ops, `ulysses::gated_delta_fwd`
-and `ulysses::gated_delta_bwd`, so that checkpointing can keep its outputs (`--attn_recompute never`).
+and `ulysses::gated_delta_bwd`, so that checkpointing can keep its outputs (`--linear_recompute never`).
 
 Why our own wrapper rather than `fla.ops.gated_delta_rule.chunk_gated_delta_rule`: that is a Python autograd Function
 whose Triton kernels the dispatcher never sees, so selective checkpointing cannot keep what it computed, and every

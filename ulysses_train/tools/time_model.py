@@ -45,6 +45,7 @@ from ..levers.memory import NF4_BYTES
 from ..levers.placement import LayerPlace, layer_places
 from ..levers.policy import Levers, kept_output_bytes
 from ..model.geometry import LayerShape, Span
+from ..sp.gated_delta_op import CHUNK as FLA_CHUNK  # the chunk of FLA's gated delta rule
 
 KERNELS = ("flash_attn_4", "sdpa", "flash_attn")
 
@@ -215,10 +216,6 @@ class Run:
     act_bytes: int = 2
 
 
-# the chunk of flash-linear-attention's gated delta rule: each token meets the rest of its chunk directly
-DELTANET_CHUNK = 64
-
-
 def _documents(run: Run) -> tuple:
     """Per sequence of the micro-batch, its documents' lengths."""
     return run.docs or tuple((run.seq_len,) for _ in range(run.micro))
@@ -340,7 +337,7 @@ def _deltanet_flops(run: Run) -> float:
     algorithm, not from a kernel: linear in the tokens, and rough until measured on a GPU."""
     d = run.g["linear_attn"]
     dk, dv = d["key_head_dim"], d["value_head_dim"]
-    per_head = 6 * dk * dv + DELTANET_CHUNK * (2 * dk + dv)
+    per_head = 6 * dk * dv + FLA_CHUNK * (2 * dk + dv)  # each token meets the rest of its chunk directly
     per_token = d["value_heads"] * per_head + 2 * d["conv_kernel"] * d["conv_width"]
     return per_token * sum(sum(lengths) for lengths in _documents(run)) / run.sp
 
