@@ -12,13 +12,19 @@ from ulysses_train.levers.fused_check import self_check
 from ulysses_train.levers.fused_kernels import (
     GatedMulFunction,
     RotaryFunction,
+    gated_rms_norm,
     kernels_run_on,
     rms_norm,
     triton_importable,
 )
 from ulysses_train.levers.lean_norm import LLAMA, T5, ZERO_CENTRED
 from ulysses_train.levers.policy import LeverRequest, Levers
-from ulysses_train.model.surgery import check_fused_kernels, install_fused_mlp, install_fused_rotary
+from ulysses_train.model.surgery import (
+    check_fused_kernels,
+    install_fused_gated_norms,
+    install_fused_mlp,
+    install_fused_rotary,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_run_on(DEVICE), reason="needs Triton (pip install triton); on CPU its "
@@ -84,6 +90,71 @@ def test_rms_norm_reads_rows_apart():
         results.append((out, x.grad, weight.grad))
     for what, a, b in zip(("out", "dx", "dw"), *results):
         assert rel_err(a.cpu(), b.cpu()) < 1e-5, what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", ["model", "fp32"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_gated_rms_norm_matches_transformers(family, weight_dtype, dtype):
+    """The DeltaNet layers' gated norm (transformers' `RMSNormGated`: Llama's norm, times silu(gate) in fp32, in x's
+    dtype) against the module itself in fp64, with the gradients of input, gate and weight; 2 x 150 x 8 rows of
+    128 (the value heads as the mixer hands them over, 75 row blocks over several backward programs) and a gate read
+    as a strided view (its rows apart, as a slice of the projection). The weight in the model's dtype rounds the
+    norm's product as transformers does; an fp32 weight keeps it in fp32."""
+    import importlib
+
+    name = {"qwen3_5": "Qwen3_5RMSNormGated", "qwen3_next": "Qwen3NextRMSNormGated"}[family]
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 150, 8, 128)
+    x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    z = (2 * torch.randn(2, 150, 8, 256, generator=g, dtype=torch.float64)).to(dtype)[..., 64:192]
+    norm = cls(128, eps=1e-6).double()
+    norm.weight.data = 1.0 + 0.2 * torch.randn(128, generator=g, dtype=torch.float64)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    ref_x, ref_z = x.double().requires_grad_(), z.double().requires_grad_()
+    norm(ref_x, ref_z).backward(dy)
+
+    w_dtype = dtype if weight_dtype == "model" else torch.float32
+    w = norm.weight.detach().to(DEVICE, w_dtype).requires_grad_()
+    got_x, got_z = x.to(DEVICE).requires_grad_(), z.to(DEVICE).requires_grad_()
+    assert got_z.stride(-2) != 128  # the gate's rows lie apart
+    got = gated_rms_norm(got_x, got_z, w, 1e-6)
+    got.backward(dy.to(DEVICE, dtype))
+    assert got.dtype == dtype and got_z.grad.dtype == dtype and w.grad.dtype == w_dtype
+    ref_out = norm(x.double(), z.double())
+    for what, a, b in (("out", got, ref_out), ("dx", got_x.grad, ref_x.grad), ("dz", got_z.grad, ref_z.grad),
+                       ("dweight", w.grad, norm.weight.grad)):
+        assert rel_err(a.cpu(), b) < TOL[dtype], what
+
+
+def test_gated_rms_norm_matches_the_module_in_its_own_dtype_bit_for_bit_in_fp32():
+    """In fp32 the kernel gives the module's own forward bits up to fp32's last place (the same arithmetic: the
+    module upcasts nothing there), so the patched model's forward is transformers'."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    g = torch.Generator().manual_seed(6)
+    x, z = torch.randn(40, 128, generator=g), torch.randn(40, 128, generator=g)
+    norm = Qwen3_5RMSNormGated(128, eps=1e-6)
+    norm.weight.data = 1.0 + 0.2 * torch.randn(128, generator=g)
+    torch.testing.assert_close(gated_rms_norm(x.to(DEVICE), z.to(DEVICE), norm.weight.to(DEVICE), 1e-6).cpu(),
+                               norm(x, z), rtol=2e-6, atol=2e-6)
+
+
+def test_only_the_gated_norms_computing_silu_are_patched():
+    """The patch takes a module by what it computes with its own activation: Qwen3.5's gated norm with silu is
+    replaced; the same class built with sigmoid (a family that gates so), Mamba 2's gated norm (the gate applied
+    before the norm) and a plain RMSNorm are left alone."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNormGated
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+    silu, sigmoid = Qwen3_5RMSNormGated(16), Qwen3_5RMSNormGated(16)
+    sigmoid.activation = "sigmoid"
+    model = torch.nn.ModuleList([silu, sigmoid, Mamba2RMSNormGated(16, group_size=16), Qwen3_5RMSNorm(16)])
+    assert install_fused_gated_norms(model) == 1
+    assert type(silu).__name__ == "FusedQwen3_5RMSNormGated"
+    assert [type(m).__name__ for m in model[1:]] == ["Qwen3_5RMSNormGated", "Mamba2RMSNormGated", "Qwen3_5RMSNorm"]
+    assert install_fused_gated_norms(model) == 0  # patching twice does nothing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -165,6 +236,7 @@ def test_fused_model_matches_transformers(family):
             assert install_fused_rotary(model) == want["rotary"]
             assert install_fused_rotary(model) == 0  # patching twice does nothing
             assert install_fused_mlp(model) == want["gated MLP"] and install_fused_mlp(model) == 0
+            assert install_fused_gated_norms(model) == want["gated RMSNorm"]
             modeling = sys.modules[type(model.model.layers[0]).__module__]
             original = getattr(modeling, "apply_rotary_pos_emb", None)
         loss = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
@@ -291,6 +363,7 @@ def test_every_family_runs_the_fused_kernels_in_bf16(family):
         model = model.to(DEVICE).train()
         if fused:
             install_lean_norms(model, fused=True), install_fused_rotary(model), install_fused_mlp(model)
+            install_fused_gated_norms(model)
         loss = model(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss
         loss.backward()
         grads = torch.cat([p.grad.float().flatten().cpu() for p in model.parameters() if p.grad is not None])

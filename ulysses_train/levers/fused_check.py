@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .fused_kernels import GatedMulFunction, RotaryFunction, rms_norm
+from .fused_kernels import GatedMulFunction, RotaryFunction, gated_rms_norm, rms_norm
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -19,11 +19,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _check_cases(device: torch.device, dtype: torch.dtype):
     """(name, fused op, the PyTorch ops it replaces, leaves) on small random inputs that cover the kernels' edges:
-    two row blocks of a norm (Llama's and zero-centred), strided q with fewer rows than heads x dims, a partly masked
-    gated-MLP block (silu and tanh GELU)."""
+    two row blocks of a norm (Llama's, zero-centred, gated by a strided gate), strided q with fewer rows than heads x
+    dims, a partly masked gated-MLP block (silu and tanh GELU)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from .lean_norm import ZERO_CENTRED, _RMSNormFunction
+    from .lean_norm import ZERO_CENTRED, _RMSNormFunction, reference_gated_norm
 
     g = torch.Generator().manual_seed(0)
 
@@ -31,11 +31,14 @@ def _check_cases(device: torch.device, dtype: torch.dtype):
         return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
 
     x, w, q, gate, up = leaf(3, 40, 96), leaf(96), leaf(2, 24, 4, 16), leaf(3, 700), leaf(3, 700)
+    z = leaf(3, 40, 2, 96)  # the gate, read every other row as a view
     angles = torch.rand(1, 24, 8, generator=g) * 24
     cos, sin = (f(torch.cat([angles, angles], -1)).to(device, dtype) for f in (torch.cos, torch.sin))
     return [("rms_norm", lambda: rms_norm(x, w, 1e-6), lambda: _RMSNormFunction.apply(x, w, 1e-6), (x, w)),
             ("rms_norm (1 + weight)", lambda: rms_norm(x, w, 1e-6, ZERO_CENTRED),
              lambda: _RMSNormFunction.apply(x, w, 1e-6, ZERO_CENTRED), (x, w)),
+            ("gated rms_norm", lambda: gated_rms_norm(x, z[:, :, 0], w, 1e-6),
+             lambda: reference_gated_norm(x, z[:, :, 0], w, 1e-6), (x, z, w)),
             ("rotary", lambda: RotaryFunction.apply(q.transpose(1, 2), cos, sin),
              lambda: apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0], (q,)),
             ("silu_mul", lambda: GatedMulFunction.apply(gate, up), lambda: torch.nn.functional.silu(gate) * up,

@@ -72,9 +72,9 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_forward(X, W, Y, RSTD, M, N, sx, eps, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ROUND_FIRST: tl.constexpr):
-        # X: rows `sx` apart (a strided view: Qwen3.5's q between its gates); Y: dense
+    def rms_forward(X, W, Y, RSTD, Z, M, N, sx, sz, eps, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROUND_FIRST: tl.constexpr, GATED: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+        # X: rows `sx` apart (a strided view: Qwen3.5's q between its gates); Y: dense; Z: the gate, rows `sz` apart
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -87,12 +87,18 @@ def _kernels():
             y = w[None, :] * normed
         else:  # T5, zero-centred: ((weight + offset) * x * rstd) in fp32, rounded once
             y = (x * rstd[:, None]) * (w + offset)[None, :]
+        if GATED:  # the gated norm: that product (rounded where weight and x give a 16-bit one) x silu(z) in fp32
+            if ROUND_PRODUCT:
+                y = y.to(X.dtype.element_ty).to(tl.float32)
+            z = tl.load(Z + rows.to(tl.int64)[:, None] * sz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = y * (z * tl.sigmoid(z))
         tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rows < M)
 
     @triton.jit
-    def rms_backward(DY, X, W, RSTD, DX, DW, M, N, sx, rows_per_program, offset,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    def rms_backward(DY, X, W, RSTD, Z, DX, DW, DZ, M, N, sx, sz, rows_per_program, offset,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_FIRST: tl.constexpr, GATED: tl.constexpr,
+                     ROUND_PRODUCT: tl.constexpr):
         # each program walks its own run of rows and keeps its share of the weight's gradient in registers
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
@@ -107,10 +113,16 @@ def _kernels():
             dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
             normed = x * rstd[:, None]
-            if ROUND_FIRST:
-                dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
-            else:
-                dw += tl.sum(dy * normed, axis=0)
+            scaled = normed.to(X.dtype.element_ty).to(tl.float32) if ROUND_FIRST else normed  # what w multiplies
+            if GATED:  # dy reaches the norm's product through silu(z); z's gradient needs that product again
+                z = tl.load(Z + rows.to(tl.int64)[:, None] * sz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                sig = tl.sigmoid(z)
+                product = w[None, :] * scaled
+                if ROUND_PRODUCT:
+                    product = product.to(X.dtype.element_ty).to(tl.float32)
+                tl.store(DZ + offsets, (dy * product * sig * (1 + z * (1 - sig))).to(DZ.dtype.element_ty), mask=mask)
+                dy = dy * z * sig
+            dw += tl.sum(dy * scaled, axis=0)
             g = dy * w[None, :]  # the gradient reaching the fp32 normalised values
             dx = rstd[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / N)[:, None])
             tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
@@ -187,50 +199,72 @@ def _programs_for(device: torch.device) -> int:
     return 4  # the interpreter runs programs one after another
 
 
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(m, n) rows of t, a view where its last dimension is dense (rows may lie apart), else a copy."""
+    rows = t.reshape(-1, n)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
 class RMSNormFunction(torch.autograd.Function):
     """An RMSNorm over the last dimension by `rule` (lean_norm.NormRule: Llama's, T5's or zero-centred); saves x and
-    one fp32 number per row."""
+    one fp32 number per row. With `gate`: the gated norm of the Gated DeltaNet layers (Qwen3.5, Qwen3-Next), the
+    norm's product times silu(gate) in fp32, returned in x's dtype; it saves the gate too."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, rule: NormRule = LLAMA) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, rule: NormRule = LLAMA,
+                gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = x.shape[-1]
-        rows = x.reshape(-1, n)  # a view for the inputs a decoder layer gives, maybe with rows apart
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
-        out_dtype = torch.result_type(weight, x) if rule.round_first else x.dtype
-        out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+        rows = _as_rows(x, n)  # a view for the inputs a decoder layer gives, maybe with rows apart
+        gates = None if gate is None else _as_rows(gate, n)
+        product_dtype = torch.result_type(weight, x) if rule.round_first else x.dtype
+        out = torch.empty(rows.shape, dtype=x.dtype if gate is not None else product_dtype, device=x.device)
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         block_m, block_n, warps = _row_blocks(n)
         grid = (triton_cdiv(rows.shape[0], block_m),)
-        _kernels().rms_forward[grid](rows, weight, out, rstd, rows.shape[0], n, rows.stride(0), eps, rule.offset,
+        _kernels().rms_forward[grid](rows, weight, out, rstd, rows if gates is None else gates, rows.shape[0], n,
+                                     rows.stride(0), 0 if gates is None else gates.stride(0), eps, rule.offset,
                                      BLOCK_M=block_m, BLOCK_N=block_n, ROUND_FIRST=rule.round_first,
+                                     GATED=gates is not None, ROUND_PRODUCT=product_dtype != torch.float32,
                                      num_warps=warps)
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.x_shape, ctx.rule = x.shape, rule
+        ctx.save_for_backward(rows, weight, rstd, gates)
+        ctx.x_shape, ctx.rule, ctx.round_product = x.shape, rule, product_dtype != torch.float32
         return out.view(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        rows, weight, rstd = ctx.saved_tensors
+        rows, weight, rstd, gates = ctx.saved_tensors
         m, n = rows.shape
         dy = grad_out.reshape(m, n).contiguous()
         dx = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
+        dz = None if gates is None else torch.empty((m, n), dtype=gates.dtype, device=rows.device)
         block_m, block_n, warps = _row_blocks(n)
         blocks = triton_cdiv(m, block_m)
         programs = min(blocks, _programs_for(rows.device))
         rows_per_program = triton_cdiv(blocks, programs) * block_m
         programs = triton_cdiv(m, rows_per_program)
         dw = torch.empty(programs, n, dtype=torch.float32, device=rows.device)
-        _kernels().rms_backward[(programs,)](dy, rows, weight, rstd, dx, dw, m, n, rows.stride(0), rows_per_program,
-                                             ctx.rule.offset,
-                                             BLOCK_M=block_m, BLOCK_N=block_n, ROUND_FIRST=ctx.rule.round_first,
-                                             num_warps=warps)
+        _kernels().rms_backward[(programs,)](dy, rows, weight, rstd, rows if gates is None else gates, dx, dw,
+                                             dx if dz is None else dz, m, n, rows.stride(0),
+                                             0 if gates is None else gates.stride(0), rows_per_program,
+                                             ctx.rule.offset, BLOCK_M=block_m, BLOCK_N=block_n,
+                                             ROUND_FIRST=ctx.rule.round_first, GATED=gates is not None,
+                                             ROUND_PRODUCT=ctx.round_product, num_warps=warps)
         grad_weight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(ctx.x_shape), grad_weight, None, None
+        grad_gate = None if dz is None else dz.view(ctx.x_shape)
+        return dx.view(ctx.x_shape), grad_weight, None, None, grad_gate
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: NormRule = LLAMA) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps, rule)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' gated RMSNorm (Qwen3.5's and Qwen3-Next's `RMSNormGated`, silu): weight * norm(x) rounded to
+    x's dtype as Llama's norm, times silu(gate) in fp32, in x's dtype; one kernel each way instead of about a dozen
+    over fp32 copies of (tokens x value width) values."""
+    if gate.shape != x.shape:
+        raise ValueError(f"the gate's shape {tuple(gate.shape)} is not the input's {tuple(x.shape)}")
+    return RMSNormFunction.apply(x, weight, eps, LLAMA, gate)
 
 
 def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype, reverse: bool):

@@ -51,6 +51,12 @@ def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rule: Norm
     return (normed * scale).to(x.dtype)
 
 
+def reference_gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gated RMSNorm of the Gated DeltaNet layers (transformers' `Qwen3_5RMSNormGated`, `Qwen3NextRMSNormGated`)
+    in their op order: Llama's norm, times silu(gate) in fp32, rounded to x's dtype."""
+    return (reference_norm(x, weight, eps, LLAMA) * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, rule: NormRule = LLAMA) -> torch.Tensor:

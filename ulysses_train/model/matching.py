@@ -68,6 +68,34 @@ def _norm_rule_of(cls: type, forward: Callable):
     return None
 
 
+def computes_gated_norm(cls: type, activation: Optional[str]) -> bool:
+    """Whether `cls.forward(x, gate)` computes lean_norm.reference_gated_norm (Qwen3.5's and Qwen3-Next's gated
+    RMSNorm with silu), bit for bit in fp32 and bf16; `activation`: the instance's `activation` attribute, which
+    the probe's stand-in carries (a class built with another activation computes another function)."""
+    return _gated_norm_of(cls, cls.forward, activation)
+
+
+@functools.lru_cache(maxsize=None)
+def _gated_norm_of(cls: type, forward: Callable, activation: Optional[str]) -> bool:
+    from ..levers.lean_norm import reference_gated_norm
+
+    g = _probe_generator()
+    for dtype in (torch.float32, torch.bfloat16):
+        x, z, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((3, 5, 16), (3, 5, 16), (16,)))
+        module = _norm_stand_in(cls, w)
+        if activation is not None:
+            module.activation = activation
+        try:
+            with torch.no_grad():
+                got = forward(module, x, z)
+        except Exception:  # it takes no gate, or needs more than a weight, an epsilon and an activation
+            return False
+        want = reference_gated_norm(x, z, w, 1e-6)
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
+            return False
+    return True
+
+
 def gated_mlp_activation(cls: type, act: Optional[torch.nn.Module]) -> Optional[str]:
     """Which activation of fused_kernels.GATED_ACTIVATIONS `cls.forward`, with its activation module `act`, computes
     as down(act(gate(x)) * up(x)): "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU), or None."""

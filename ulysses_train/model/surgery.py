@@ -10,6 +10,8 @@ modules it expects to patch, and the lever and flag that ask for it.
   offload; `--checkpoint_every`: its segment) | every decoder layer |
 | RMSNorm | the forward of each norm computing Llama's, T5's or the zero-centred RMSNorm, by the lean (or fused) one in
   the same arithmetic | every `*RMSNorm` module |
+| gated RMSNorm | the forward of each gated norm computing Llama's norm times silu(gate) (the Gated DeltaNet layers'
+  output norm), by the fused kernel | every `*RMSNormGated` module |
 | rotary | `apply_rotary_pos_emb` as each attention forward reads it, by the fused kernel | every `*.self_attn` |
 | gated MLP | the forward of each MLP computing down(act(gate) * up) with silu or tanh GELU, by the fused product |
   every dense `*.mlp` |
@@ -44,11 +46,12 @@ from ..levers.fused_kernels import (
     GatedMulFunction,
     RotaryFunction,
     fused_norm_forward,
+    gated_rms_norm,
     kernels_run_on,
     rotary_fits,
     triton_importable,
 )
-from ..levers.lean_norm import lean_forward
+from ..levers.lean_norm import lean_forward, norm_epsilon
 from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forward
 from ..levers.offload import HostOffload
 from ..levers.placement import layer_places
@@ -61,6 +64,7 @@ from ..sp.deltanet import layout_of as deltanet_layout
 from ..sp.deltanet import sp_forward as deltanet_forward
 from ..sp.linear_kernel import LinearKernel, choose_linear_kernel
 from .matching import (
+    computes_gated_norm,
     computes_llama_rotary,
     gated_mlp_activation,
     rebind_global,
@@ -164,6 +168,23 @@ def install_lean_norms(model: nn.Module, fused: bool = False) -> int:
         module._norm_rule = rule
         _swap_class(module, tag, {"forward": forward})
         patched += 1
+    return patched
+
+
+def _fused_gated_norm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return gated_rms_norm(hidden_states, gate, self.weight, norm_epsilon(self))
+
+
+def install_fused_gated_norms(model: nn.Module) -> int:
+    """Every gated norm computing Llama's RMSNorm times silu(gate) (the Gated DeltaNet layers' output norm; model/
+    matching.py probes it with the module's own activation) runs as one Triton kernel each way."""
+    patched = 0
+    for module in model.modules():
+        if type(module) in _SUBCLASSES.values() or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        if computes_gated_norm(type(module), getattr(module, "activation", None)):
+            _swap_class(module, "Fused", {"forward": _fused_gated_norm_forward})
+            patched += 1
     return patched
 
 
@@ -271,6 +292,8 @@ PATCHES = {
     "checkpointing": Patch("checkpointing", "checkpointing", "--gradient_checkpointing", _count_layers),
     "RMSNorm": Patch("RMSNorm", "lean_norm", "--lean_norm",
                      lambda m: sum(type(x).__name__.endswith("RMSNorm") for x in m.modules())),
+    "gated RMSNorm": Patch("gated RMSNorm", "fused_kernels", "--fused_kernels",
+                           lambda m: sum(type(x).__name__.endswith("RMSNormGated") for x in m.modules())),
     "rotary": Patch("rotary", "fused_kernels", "--fused_kernels",
                     lambda m: sum(n.endswith("self_attn") for n, _ in m.named_modules())),
     "gated MLP": Patch("gated MLP", "fused_kernels", "--fused_kernels", lambda m: len(_dense_mlps(m))),
@@ -358,6 +381,7 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
              ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size,
                                                          levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),
+             ("gated RMSNorm", lambda: install_fused_gated_norms(model)),
              ("rotary", lambda: install_fused_rotary(model)),
              ("gated MLP", lambda: install_fused_mlp(model)),
              ("tiled MLP", lambda: enable_tiled_mlp(model, mlp_tile_tokens))]

@@ -317,9 +317,9 @@ class LeverConfig(Settings):
                                        "less per element in bf16; the same forward, bit for bit). auto: on where the "
                                        "model has such norms. on (true): required. off (false): transformers' norms.")
     fused_kernels: Literal[AUTO_ON_OFF] = _f("auto", "Our Triton kernels for the RMSNorms (lean, as --lean_norm), the "
-                                             "rotary embedding and the gated MLP's product (SwiGLU, Gemma's GeGLU): "
-                                             "one kernel each way instead of "
-                                             "up to seven small ones (docs/benchmarks.md). auto: on for CUDA devices "
+                                             "rotary embedding, the gated MLP's product (SwiGLU, Gemma's GeGLU) and "
+                                             "the Gated DeltaNet layers' gated norm: one kernel each way instead of "
+                                             "up to a dozen small ones (docs/benchmarks.md). auto: on for CUDA devices "
                                              "with Triton installed, if a self-check against the ops they replace "
                                              "passes (else those ops, the reason logged). on: required. off: "
                                              "transformers' ops.")

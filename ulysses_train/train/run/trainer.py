@@ -424,7 +424,9 @@ class Trainer:
 
     def describe_levers(self) -> str:
         lv, counts = self.levers, self.surgery.counts
+        gated_norms = counts.get("gated RMSNorm", (0, 0))[0]
         fused = (f"{counts['RMSNorm'][0]} norms, {counts['rotary'][0]} rotary, {counts['gated MLP'][0]} gated MLP"
+                 + (f", {gated_norms} gated norms" if gated_norms else "")
                  if lv.fused_kernels else "off" + (f" ({lv.why['fused_kernels']})" if "fused_kernels" in lv.why
                                                    and lv.why["fused_kernels"].startswith("auto: off,") else ""))
         norms = counts.get("RMSNorm", (0, 0))[0] if lv.lean_norm or lv.fused_kernels else 0
