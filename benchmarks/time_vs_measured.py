@@ -65,12 +65,18 @@ SUMMARY_GPU_GIB, SUMMARY_HOST_GIB = 139.7, 125.0
 
 def earlier_kernels(r: dict) -> bool:
     """A result measured before our fused kernels covered its model's layers: fused kernels on, yet none of its
-    RMSNorms and none of its gated MLPs replaced (the trainer's surgery counts). The model times them fused, so
-    these rows describe an earlier trainer and are shown apart (Gemma 3's first rows, eager `1 + weight` norms
-    and GeGLU; docs/results/windowed_current.json has its rows with the kernels)."""
+    RMSNorms and none of its gated MLPs replaced (the trainer's surgery counts), or DeltaNet mixers without the
+    gated-norm count (the trainer before that kernel and FLA's conv). The model times them fused, so these rows
+    describe an earlier trainer and are shown apart (Gemma 3's first rows, eager `1 + weight` norms and GeGLU:
+    docs/results/windowed_current.json has its rows with the kernels; Qwen3.5's first rows:
+    qwen3.5-9b_1gpu_*_fused.json)."""
     surgery = r.get("surgery", {})
+    if not r.get("levers", {}).get("fused_kernels"):
+        return False
+    if "DeltaNet mixer" in surgery and "gated RMSNorm" not in surgery:
+        return True
     unfused = [surgery[k][0] == 0 < surgery[k][1] for k in ("RMSNorm", "SwiGLU") if k in surgery]
-    return bool(r.get("levers", {}).get("fused_kernels")) and len(unfused) == 2 and all(unfused)
+    return len(unfused) == 2 and all(unfused)
 
 
 def summary_rows(constants: Constants):

@@ -310,14 +310,14 @@ def test_llama4_like_chunked_attention_by_hand():
 
 def test_deltanet_layers_are_linear_in_the_sequence():
     """Qwen3.5's Gated DeltaNet layers: per token, 4 value heads x (6 x 8 x 12 for the state + 64 x (2 x 8 + 12)
-    within the chunk) and 2 x 4 x 80 for the convolution, 10,112 FLOPs forward, at `linear_attention_tflops`; they
-    run again in the recompute even with the attention outputs kept, unless their own are (`keep_linear`)."""
+    within the chunk), 9,472 FLOPs forward, at `linear_attention_tflops`; they run again in the recompute even
+    with the attention outputs kept, unless their own are (`keep_linear`)."""
     g = _tiny("qwen3_5_text", num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=12)
     rates = dataclasses.replace(ROUND, linear_attention_tflops=10.0)
     for keep in (False, True):
         t = step_time(Run(g, 1024, 1, 1, Levers(keep_attention=keep, keep_linear=False)), rates)
-        fwd = 1024 * 10112 / 10e12
+        fwd = 1024 * 9472 / 10e12
         assert t["parts"]["linear attention"] == pytest.approx(3 * (2 * fwd + 2.5 * fwd))
         assert t["parts"]["attention"] == pytest.approx(_attention_seconds([1024**2 / 2], 64, keep))
         longer = step_time(Run(g, 4096, 1, 1, Levers(keep_attention=keep, keep_linear=False)), rates)
@@ -327,6 +327,26 @@ def test_deltanet_layers_are_linear_in_the_sequence():
     assert kept["parts"]["linear attention"] == pytest.approx(3 * (fwd + 2.5 * fwd))
     assert "linear attention" not in step_time(Run(geometry(tiny_config("qwen3")), 1024, 1, 1, Levers()),
                                                ROUND)["parts"]
+
+
+def test_a_deltanet_layer_adds_its_gated_norm_and_the_work_around_its_recurrence():
+    """Beyond an attention layer's elementwise ops a DeltaNet layer runs its gated output norm over the value width
+    (4 heads x 12: a norm and a gated product, forward and backward, at the fused or eager costs) and its conv,
+    copies and gates over the conv channels (2 x 2 x 8 + 4 x 12 = 80) at `deltanet_elementwise`, the backward twice
+    the forward; `--fused_kernels off` times the norm at the eager costs."""
+    from ulysses_train.tools.time_model import _elementwise
+
+    g = _tiny("qwen3_5_text", num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=12)
+    rates = dataclasses.replace(ROUND, deltanet_elementwise=1e-10, eager=ElementwiseCosts(*(3e-12,) * 6),
+                                eager_in_step=1.0)
+    for fused, cost in ((True, 1e-12), (False, 3e-12)):
+        run = Run(g, 1024, 1, 1, Levers(fused_kernels=fused))
+        attention = _elementwise(run, rates, 1024, False)
+        deltanet = _elementwise(run, rates, 1024, False, g["linear_attn"])
+        norm = 1024 * 48 * 2 * cost
+        assert deltanet[0] - attention[0] == pytest.approx(norm + 1024 * 80 * 1e-10)
+        assert deltanet[1] - attention[1] == pytest.approx(norm + 2 * 1024 * 80 * 1e-10)
 
 
 def test_the_time_model_against_every_measured_step(tmp_path):

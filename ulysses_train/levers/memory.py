@@ -42,9 +42,14 @@ ATTENTION_TENSORS_GQA = 7.5
 FUSED_ROTARY_SAVING = 1.25
 # The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its peak in the backward, in tokens x (2 key + value)
 # and tokens x value tensors: the fused projection's output, the convolution's and its SiLU, and their gradients (6);
-# the gate z, the recurrence's output, its gated norm, and their gradients (6). Counted by hand, not measured: a
-# guess until a GPU run measures it. Beside them the backward recomputes each chunk's state (`deltanet_state_bytes`).
+# the gate z, the recurrence's output, its gated norm, and their gradients (6), counted by hand. With our fused
+# gated norm (--fused_kernels) the norm keeps its input and gate in bf16 and no fp32 copies of the value width (the
+# upcast input, the normalised values, silu(z), the product, and their gradients in the backward): measured on the
+# H200, Qwen3.5-9B with the offload peaks at 82.5 / 98.0 GiB at 64k / 131k tokens, the count at 6 gave 86.0 /
+# 103.0 (+4.3% / +5.1%), at 4 it gives +0.6% / -1.0% (docs/memory.md). Beside them the backward recomputes each
+# chunk's state (`deltanet_state_bytes`).
 LINEAR_ATTENTION_TENSORS = 6
+LINEAR_ATTENTION_TENSORS_FUSED = 4
 
 
 def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
@@ -125,14 +130,15 @@ def attention_layers(g: dict, layers: range) -> int:
     return sum(1 for i in layers if g["attn_spans"][i].attention)
 
 
-def deltanet_bytes(g: dict, t: int, b: int) -> float:
-    """A recomputed Gated DeltaNet layer's mixer at its peak in the backward (LINEAR_ATTENTION_TENSORS), and the
-    state of every chunk of 64 tokens (value heads x key x value dim), recomputed in the backward with its gradient
-    in fp32; 0 for a model without such layers."""
+def deltanet_bytes(g: dict, t: int, b: int, fused: bool = False) -> float:
+    """A recomputed Gated DeltaNet layer's mixer at its peak in the backward (LINEAR_ATTENTION_TENSORS, fewer with
+    the fused gated norm: `fused`), and the state of every chunk of 64 tokens (value heads x key x value dim),
+    recomputed in the backward with its gradient in fp32; 0 for a model without such layers."""
     d = g["linear_attn"]
     if not d:
         return 0
-    tensors = LINEAR_ATTENTION_TENSORS * t * (d["conv_width"] + d["value_width"]) * b
+    units = LINEAR_ATTENTION_TENSORS_FUSED if fused else LINEAR_ATTENTION_TENSORS
+    tensors = units * t * (d["conv_width"] + d["value_width"]) * b
     states = 2 * 4 * math.ceil(t / 64) * d["value_heads"] * d["key_head_dim"] * d["value_head_dim"]
     return tensors + states
 
@@ -214,7 +220,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # with segments, the inputs the regenerating forward made for the segment's other layers, held at once
     regenerated = (min(levers.checkpoint_every, max(n_ckpt, 1)) - 1) * t * g["hidden"] * b if levers.checkpointing \
         else 0
-    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b)) + regenerated
+    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b, levers.fused_kernels)) + regenerated
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     if pairs:
         loss = preference_loss_bytes(g, t, loss_chunk, b)

@@ -7,9 +7,10 @@ Per decoder layer and rank (T tokens on the rank, S the whole sequence, sp ranks
                 at the kernel's forward rate, the pairs per document: doc^2 / 2 for full causal attention, for a
                 sliding window w the exact sum of min(t + 1, w) over positions t (FA4: the pairs of its whole tiles,
                 at its window share of the rate), for chunked attention doc^2 / 2 per chunk; heads wider than 128
-                at the kernel's wide-head share; a Gated DeltaNet layer's recurrence linear in T (a rough count, at a
-                guessed rate); norms, rotary and SwiGLU per token and width (fused or eager rates); residual adds at HBM
-                bandwidth; the Ulysses all-to-all of q, k, v and the output (sp > 1)
+                at the kernel's wide-head share; a Gated DeltaNet layer's recurrence linear in T (FLA's chunked
+                FLOPs at a fitted rate) and its work around it (the conv, copies, gates) per token and channel;
+                norms, rotary, SwiGLU and the gated norm per token and width (fused or eager rates); residual adds
+                at HBM bandwidth; the Ulysses all-to-all of q, k, v and the output (sp > 1)
     recompute   a checkpointed layer runs its forward again before its backward, without the attention kernel when
                 its outputs are kept (`--attn_recompute never`; a DeltaNet layer's recurrence likewise where its
                 outputs are kept, `Levers.keep_linear`); an
@@ -98,6 +99,11 @@ FA4_WINDOW_SHARE = 0.50
 # attention grows 4x between them where the rest grows 2x), FA4_WINDOW_SHARE held: 0.67 puts them at -1.6% and
 # +0.8%.
 FA4_WIDE_HEAD_SHARE = 0.67
+# cuDNN's SDPA on the H200 at head_dim 256 (Qwen3.5's 8 attention layers), against its rates at 128. Fitted with
+# `deltanet_elementwise` on Qwen3.5-9B's two steps with the current kernels (65,536 and 131,072 tokens, where the
+# attention grows 4x and the rest 2x): both within 0.5%, where one rate for every head size left them at +2.2% and
+# -2.3% (and the rows before these kernels at +2.5% and -2.3%, the same lean).
+SDPA_WIDE_HEAD_SHARE = 0.79
 
 
 def _h200_attention() -> dict:
@@ -107,7 +113,8 @@ def _h200_attention() -> dict:
     # benchmark's one layer call). SDPA's FA2 backend: ~325 measured alone, not in a step.
     return {"flash_attn_4": AttentionRates(fwd=660.0, bwd=600.0, window=FA4_WINDOW_SHARE,
                                            wide_heads=FA4_WIDE_HEAD_SHARE),
-            "sdpa": AttentionRates(fwd=546.0, bwd=504.0), "flash_attn": AttentionRates(fwd=325.0, bwd=325.0)}
+            "sdpa": AttentionRates(fwd=546.0, bwd=504.0, wide_heads=SDPA_WIDE_HEAD_SHARE),
+            "flash_attn": AttentionRates(fwd=325.0, bwd=325.0)}
 
 
 @dataclass(frozen=True)
@@ -126,12 +133,18 @@ class Constants:
     and a scatter of the tokens): not measured, an assumption."""
     attention: dict = field(default_factory=_h200_attention)
     """Kernel name (--attn_kernel) -> AttentionRates."""
-    linear_attention_tflops: float = 6.4
-    """A Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next), forward and backward, over the FLOPs
-    `_deltanet_flops` counts: an effective rate fitted on Qwen3.5-9B's steps on one H200 with flash-linear-attention
-    (`--linear_kernel fla`) at 64k and 131k tokens (docs/benchmarks.md), which it covers within 3%. It stands for
-    everything a DeltaNet layer does beyond its projections: the conv, the gates, the gated norm and FLA's chunked
-    kernels in the forward, the recompute and the backward, each small and far below the matmul ceiling."""
+    linear_attention_tflops: float = 64.0
+    """A Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next: FLA's chunked gated delta rule, the op whose
+    outputs `--linear_recompute never` keeps), forward, over the FLOPs `_deltanet_flops` counts; the backward 2.5x
+    its FLOPs at the same rate. Fitted on Qwen3.5-9B at 65,536 tokens on one H200 (docs/benchmarks.md): the step
+    with the rule recomputed against the one with its outputs kept is one forward of it in 24 layers, 0.10 s. Far
+    below the matmul ceiling: FLA's kernels are bound by the chunk's small products and the state's traffic."""
+    deltanet_elementwise: float = 1.9e-11
+    """Seconds per token and conv channel (2 x key width + value width) of a Gated DeltaNet layer's forward work
+    around the recurrence: FLA's causal conv, the q, k, v concatenation and split, the key heads repeated for the
+    value heads, the gates; the backward twice it. It runs in the recompute whether the rule's outputs are kept or
+    not. Fitted on Qwen3.5-9B's steps at 65,536 and 131,072 tokens on one H200 with the gated norm fused
+    (docs/benchmarks.md, "Qwen3.5-9B"), the recurrence's rate held."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: fitted on its time in the profiled steps
     (docs/benchmarks.md, "Where the time of a step goes"; alone: "Fused loss chunk size"). Our kernel
@@ -330,15 +343,15 @@ def _attention_flops(run: Run, shape: LayerShape, backward: bool = False) -> flo
 
 
 def _deltanet_flops(run: Run) -> float:
-    """Forward FLOPs of one Gated DeltaNet layer's recurrence on one rank (its projections count as linear layers).
-    Per token and value head the chunked delta rule reads, corrects and updates the head's state (key x value dim:
-    three products, 6 dk dv) and meets the rest of its chunk (the causal half of the chunk's q k^T, k k^T and
-    attention x v: chunk x (2 dk + dv)); the causal convolution adds 2 x kernel per channel. Counted from the
-    algorithm, not from a kernel: linear in the tokens, and rough until measured on a GPU."""
+    """Forward FLOPs of one Gated DeltaNet layer's recurrence on one rank (its projections count as linear layers,
+    the conv and the rest as its elementwise work). Per token and value head the chunked delta rule reads, corrects
+    and updates the head's state (key x value dim: three products, 6 dk dv) and meets the rest of its chunk (the
+    causal half of the chunk's q k^T, k k^T and attention x v: chunk x (2 dk + dv)). Counted from the algorithm,
+    not from a kernel: linear in the tokens, at the rate fitted on FLA's."""
     d = run.g["linear_attn"]
     dk, dv = d["key_head_dim"], d["value_head_dim"]
     per_head = 6 * dk * dv + FLA_CHUNK * (2 * dk + dv)  # each token meets the rest of its chunk directly
-    per_token = d["value_heads"] * per_head + 2 * d["conv_kernel"] * d["conv_width"]
+    per_token = d["value_heads"] * per_head
     return per_token * sum(sum(lengths) for lengths in _documents(run)) / run.sp
 
 
@@ -364,12 +377,18 @@ class _Pass:
     lora_bwd: float = 0.0
 
 
-def _elementwise(run: Run, c: Constants, t: int, moe: bool) -> tuple[float, float, float]:
+def _elementwise(run: Run, c: Constants, t: int, moe: bool, deltanet: Optional[dict] = None
+                 ) -> tuple[float, float, float]:
     """(forward, backward, SwiGLU forward) seconds of a layer's elementwise ops: our fused kernels replace the norms
-    and rotary everywhere and the SwiGLU of dense MLPs; the eager ops run at `eager_in_step` of their cost alone."""
+    and rotary everywhere and the SwiGLU of dense MLPs; the eager ops run at `eager_in_step` of their cost alone. A
+    DeltaNet layer (`deltanet`: geometry's linear_attn dims) adds its gated output norm (value width: a norm and a
+    gated product, fused with the kernels) and its work around the recurrence (`deltanet_elementwise`)."""
     g, lv, b = run.g, run.levers, run.act_bytes
     eager = dataclasses.replace(c.eager, **{k: v * c.eager_in_step for k, v in dataclasses.asdict(c.eager).items()})
     norm, rot, swi = (c.fused, c.fused, eager if moe else c.fused) if lv.fused_kernels else (eager,) * 3
+    gated = c.fused if lv.fused_kernels else eager
+    gated_norm_w = 0 if deltanet is None else deltanet["value_heads"] * deltanet["value_head_dim"]
+    around = 0.0 if deltanet is None else t * deltanet["conv_width"] * c.deltanet_elementwise
     # the hidden-width norms (two; four in Gemma) and the q, k norms (Qwen3, Gemma 3/4, OLMo 3)
     norm_w = g["norms"] * g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"]
     rot_w, swi_w = g["attn_width"] + g["kv_width"], g["inter"]
@@ -379,8 +398,10 @@ def _elementwise(run: Run, c: Constants, t: int, moe: bool) -> tuple[float, floa
     if moe:  # each token's hidden state gathered for its experts and their outputs added back
         copies += 2 * t * g["experts_per_token"] * g["hidden"] * b
     copy_s = copies / (c.hbm_tb_s * 1e12)
-    fwd = t * (norm_w * norm.norm_fwd + rot_w * rot.rotary_fwd + swi_w * swi.swiglu_fwd) + copy_s
-    bwd = t * (norm_w * norm.norm_bwd + rot_w * rot.rotary_bwd + swi_w * swi.swiglu_bwd) + copy_s
+    fwd = t * (norm_w * norm.norm_fwd + rot_w * rot.rotary_fwd + swi_w * swi.swiglu_fwd
+               + gated_norm_w * (gated.norm_fwd + gated.swiglu_fwd)) + copy_s + around
+    bwd = t * (norm_w * norm.norm_bwd + rot_w * rot.rotary_bwd + swi_w * swi.swiglu_bwd
+               + gated_norm_w * (gated.norm_bwd + gated.swiglu_bwd)) + copy_s + 2 * around
     return fwd, bwd, t * swi_w * swi.swiglu_fwd
 
 
@@ -405,7 +426,8 @@ def _pass(run: Run, c: Constants, shape: LayerShape) -> _Pass:
     mlp_fwd = 2 * t * shape.mlp_matmul_params / (rate * (c.moe_matmul_efficiency if shape.moe else 1.0))
     linear_fwd = 2 * t * (shape.matmul_params - shape.mlp_matmul_params) / rate + mlp_fwd
     attn_fwd, attn_bwd = _mixer_seconds(run, c, shape)
-    elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t, shape.moe)
+    deltanet = None if shape.span.attention else run.g["linear_attn"]
+    elem_fwd, elem_bwd, swiglu_fwd = _elementwise(run, c, t, shape.moe, deltanet)
     adapters = run.g.get("adapters")
     trained = 1.0 - adapters["frozen_matmul"] / max(adapters["matmul"], 1) if adapters else 1.0
     linear_bwd = (1 + trained) * linear_fwd  # the input's gradient, and the weight's where it is trained
