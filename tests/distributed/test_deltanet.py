@@ -156,8 +156,10 @@ def test_deltanet_families_at_sp4_with_replicated_key_heads_match_transformers_p
     _check(run_distributed(_sharded, 4, cases), cases)
 
 
-def test_packed_deltanet_at_sp1_restarts_at_each_document_like_transformers_on_each_alone():
-    cases = [(name, 29 + i, DOCS) for i, name in enumerate(FAMILIES)]
+def test_deltanet_at_sp1_matches_transformers_and_packed_restarts_at_each_document_like_each_alone():
+    """SP=1: Qwen3.5's conv reads the projection's own output (no all-to-all, no copy), Qwen3-Next's the joined
+    q, k, v; packed, both restart at each document."""
+    cases = _cases(29)
     _check([_sharded(0, 1, cases)], cases)
 
 

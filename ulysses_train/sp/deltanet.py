@@ -30,7 +30,9 @@ attention's (`UlyssesAttention.doc_lengths`, set per batch):
 
 The conv's and the rule's kernels are the run's `--linear_kernel` (linear_kernel.py: FLA's on CUDA, the rule through
 our op so checkpointing can keep its output; or the modeling file's conv and torch rule), so the mixer is installed on
-every DeltaNet layer, at SP=1 and unpacked too (the all-to-alls are then the identity).
+every DeltaNet layer, at SP=1 and unpacked too (the all-to-alls are then the identity, and Qwen3.5's conv reads its
+`in_proj_qkv` output as it is: q, k and v travel joined, in the conv's channel order, from the projection or the
+all-to-all to the conv).
 
 Head blocks are contiguous, as in attention.py: rank r holds value heads [r*nv/sp, (r+1)*nv/sp). transformers
 gives value head j the key head j // (nv/nk) (`repeat_interleave` in its gated delta rule), so these value heads
@@ -90,27 +92,29 @@ def rank_heads(nk: int, nv: int, sp: int, rank: int) -> tuple[range, range]:
 
 def _project(self, hidden: torch.Tensor):
     """The module's in-projections on the shard: q, k (b, s/sp, nk, dk), v and z (b, s/sp, nv, dv), b and a
-    (b, s/sp, nv), in transformers' channel order (that of the conv weight)."""
+    (b, s/sp, nv), in transformers' channel order (that of the conv weight); and q, k, v joined as the conv reads
+    them (b, s/sp, 2 nk dk + nv dv) where the projection writes them so (Qwen3.5's `in_proj_qkv`), else None."""
     batch, length, _ = hidden.shape
     if self._sp_layout == "qkvz, ba":
         q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        return q, k, v, z, b, a
-    q, k, v = torch.split(self.in_proj_qkv(hidden), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return q, k, v, z, b, a, None
+    qkv = self.in_proj_qkv(hidden)
+    q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     heads = (batch, length, -1)
     return (q.reshape(*heads, self.head_k_dim), k.reshape(*heads, self.head_k_dim),
             v.reshape(*heads, self.head_v_dim), self.in_proj_z(hidden).reshape(*heads, self.head_v_dim),
-            self.in_proj_b(hidden), self.in_proj_a(hidden))
+            self.in_proj_b(hidden), self.in_proj_a(hidden), qkv)
 
 
-def heads_to_sequence(parts: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """(b, s/sp, h_i, d_i) each -> (b, s, h_i/sp, d_i) each, in one all-to-all: every part's block of heads for
-    rank j travels in one message to rank j (one collective rather than one per tensor)."""
+def heads_to_sequence(parts: list[torch.Tensor], group) -> torch.Tensor:
+    """(b, s/sp, h_i, d_i) each -> (b, s, W): this rank's block of heads of every part (h_i/sp of them) over the
+    whole sequence, joined in the parts' order along the last dimension, in one all-to-all (every part's block for
+    rank j travels in one message to rank j, one collective rather than one per tensor)."""
     sp = group_size(group)
     batch, length = parts[0].shape[:2]
     blocks = [p.reshape(batch, length, sp, -1) for p in parts]  # (b, s/sp, sp, h_i/sp * d_i)
     gathered = all_to_all(torch.cat(blocks, dim=-1), group, scatter_dim=2, gather_dim=1)  # (b, s, 1, W)
-    pieces = gathered.split([b.shape[-1] for b in blocks], dim=-1)
-    return [x.reshape(batch, length * sp, p.shape[2] // sp, p.shape[3]) for x, p in zip(pieces, parts)]
+    return gathered.reshape(batch, length * sp, -1)
 
 
 def _conv_channels(self, keys: range, values: range) -> torch.Tensor:
@@ -192,19 +196,20 @@ def _conv(self, mixed: torch.Tensor, weight, bias, starts: Optional[torch.Tensor
     return mixed.transpose(1, 2)
 
 
-def _local_mixer(self, q, k, v, g, beta, keys: range, values: range,
+def _local_mixer(self, mixed: torch.Tensor, key_heads: int, g, beta, keys: range, values: range,
                  doc_lengths: Optional[list[list[int]]] = None) -> torch.Tensor:
     """The causal conv and the gated delta rule over the whole sequence for this rank's heads, both of the run's
-    --linear_kernel (linear_kernel.py); with packed documents each restarts at every document. q, k (b, s, nk_r, dk),
-    v (b, s, nv_r, dv), g and beta (b, s, nv_r) -> (b, s, nv_r, dv)."""
+    --linear_kernel (linear_kernel.py); with packed documents each restarts at every document. mixed: q, k, v
+    joined (b, s, C_r = 2 key_heads dk + nv_r dv), in the order of this rank's conv channels; g and beta
+    (b, s, nv_r) -> (b, s, nv_r, dv)."""
     channels = _conv_channels(self, keys, values)
     weight = self.conv1d.weight.squeeze(1)[channels]  # (C_r, K): this rank's channels, its gradient's too
     bias = None if self.conv1d.bias is None else self.conv1d.bias[channels]
-    batch, length = q.shape[:2]
+    batch, length = mixed.shape[:2]
     starts = None if doc_lengths is None else document_starts(doc_lengths, length)
-    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # (b, s, C_r)
     mixed = _conv(self, mixed, weight, bias, starts)
-    q, k, v = torch.split(mixed, [x.shape[2] * x.shape[3] for x in (q, k, v)], dim=-1)
+    key_width = key_heads * self.head_k_dim
+    q, k, v = torch.split(mixed, [key_width, key_width, mixed.shape[2] - 2 * key_width], dim=-1)
     q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
     v = v.reshape(batch, length, -1, self.head_v_dim)
     rule = self._sp_kernel.rule(self)
@@ -226,16 +231,17 @@ def sp_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=Non
     group, sp = self._sp_group, group_size(self._sp_group)
     documents = self._sp_documents() if self._sp_documents is not None else None  # the attention, or gone
     doc_lengths = None if documents is None else documents.doc_lengths  # (b,) lists of global lengths
-    q, k, v, z, b, a = _project(self, hidden_states)  # (b, s/sp, heads, d)
+    q, k, v, z, b, a, qkv = _project(self, hidden_states)  # (b, s/sp, heads, d)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (b, s/sp, nv), fp32 as transformers
     if self.num_k_heads < sp:  # nk divides sp (support.py): each key head to sp/nk consecutive ranks
         q, k = (x.repeat_interleave(sp // self.num_k_heads, dim=2) for x in (q, k))
-    # (b, s/sp, heads, d) -> (b, s, heads/sp, d); g and beta in fp32 (beta's cast there and back is exact)
-    q, k, v = heads_to_sequence([q, k, v], group)
-    g, beta = heads_to_sequence([torch.stack([g, beta.float()], dim=-1)], group)[0].unbind(-1)
     keys, values = rank_heads(self.num_k_heads, self.num_v_heads, sp, self._sp_rank)
-    out = _local_mixer(self, q, k, v, g, beta.to(b.dtype), keys, values, doc_lengths)  # (b, s, nv/sp, dv)
+    # q, k, v (b, s/sp, heads, d) -> joined (b, s, C_r) in this rank's conv channel order; at SP=1 the projection's
+    # own output where it is already so (no copy); g and beta in fp32 (beta's cast there and back is exact)
+    mixed = qkv if sp == 1 and qkv is not None else heads_to_sequence([q, k, v], group)
+    g, beta = heads_to_sequence([torch.stack([g, beta.float()], dim=-1)], group).unflatten(-1, (-1, 2)).unbind(-1)
+    out = _local_mixer(self, mixed, len(keys), g, beta.to(b.dtype), keys, values, doc_lengths)  # (b, s, nv/sp, dv)
     out = all_to_all(out, group, scatter_dim=1, gather_dim=2)  # (b, s/sp, nv, dv)
     batch, length = hidden_states.shape[:2]
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
