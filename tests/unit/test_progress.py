@@ -40,3 +40,26 @@ def test_step_lines_alone_in_a_redirected_log(tmp_path, capsys, progress, lines)
         assert stepped[2].startswith("step     2 | eval loss 2.0000")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2] and records[0]["trained_tokens_per_s"] == 1800.0
+
+
+def test_the_first_step_is_announced_where_it_compiles_on_a_gpu():
+    """Before a GPU run's first step the log says what makes it slow (FLA autotuned for minutes at 64k on an H200,
+    a step line the only sign of life before), naming only what this run uses; on the CPU nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ulysses_train.levers.policy import Levers
+    from ulysses_train.train.step.loop import first_step_note
+
+    def run(device, kernel="sdpa", linear=None, fused=False, offload=None):
+        return SimpleNamespace(device=torch.device(device), kernel=kernel, offload=offload,
+                               linear_kernel=None if linear is None else SimpleNamespace(name=linear),
+                               levers=Levers(fused_kernels=fused))
+
+    note = first_step_note(run("cuda", "flash_attn_4", "fla", True, object()))
+    assert note.startswith("the first step compiles") and all(
+        what in note for what in ("FlashAttention-4", "FLA's DeltaNet", "our Triton", "pinned host pool"))
+    alone = first_step_note(run("cuda", linear="fla"))
+    assert "FLA's DeltaNet" in alone and "FlashAttention-4" not in alone and "pinned" not in alone
+    assert first_step_note(run("cuda")) is None and first_step_note(run("cpu", "flash_attn_4", "fla", True)) is None

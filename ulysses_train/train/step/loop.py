@@ -7,6 +7,7 @@ faults), memory_profile.py (`--profile_memory`), levers/offload.py (its own book
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,21 @@ def train_step(run, step: int) -> dict:
     return record
 
 
+def first_step_note(run) -> Optional[str]:
+    """What makes the first step of this process slower than the next ones on a GPU, said before it starts (FLA's
+    autotuning alone took 1-3 minutes at 64k on an H200), so a silent first step is not mistaken for a hang."""
+    if run.device.type != "cuda":
+        return None
+    work = [name for name, used in (
+        ("FlashAttention-4's kernels", run.kernel == "flash_attn_4"),
+        ("FLA's DeltaNet kernels (autotuned on first use)", getattr(run.linear_kernel, "name", None) == "fla"),
+        ("our Triton kernels", run.levers.fused_kernels),
+        ("the pinned host pool of the offload", run.offload is not None)) if used]
+    if not work:
+        return None
+    return f"the first step compiles and allocates what later steps reuse ({', '.join(work)}): it takes longer"
+
+
 def train(run) -> list[dict]:
     """Steps from the one after the resumed checkpoint to --steps; saves every --save_steps, after the last step
     (--save_final) and on SIGTERM."""
@@ -121,6 +137,9 @@ def train(run) -> list[dict]:
         return history
     with MetricsLogger(output.output_dir, steps, run.rank == 0, run.trackers, log.log_every, run.start_step,
                        log.progress) as logger, ProfileFirstSteps(run, log.profile_memory, logger.write) as profile:
+        note = first_step_note(run)
+        if note:
+            logger.write(note)
         for step in range(run.start_step + 1, steps + 1):
             inject_at_step(step, run.rank, stop)
             profile.before_step(step)
