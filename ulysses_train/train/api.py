@@ -74,6 +74,18 @@ def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **
     return run(cfg, explicit)
 
 
+# Environment defaults of a run's processes, each kept where the user set it: the allocator's expandable segments
+# (long sequences fragment it); Triton's autotuning results cached on disk, keyed by GPU, kernel source and shapes,
+# so a resumed or repeated run skips FLA's autotuning of the DeltaNet kernels (1-3 minutes of the first step on an
+# H200). Both are read when the libraries start (Triton's when a kernel module is imported), before any here.
+PROCESS_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TRITON_CACHE_AUTOTUNING": "1"}
+
+
+def process_defaults() -> None:
+    for name, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
     """The run of a parsed config (`explicit`: the settings given, not defaulted; train/config/ds_config.py reconciles
     them with the DeepSpeed JSON)."""
@@ -81,7 +93,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
     from .run.trainer import Trainer
     from .step.loop import train as train_loop
 
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    process_defaults()
     quiet_libraries()
     cfg = copy.deepcopy(cfg)  # the run resolves some settings in place (--epochs); the caller's stays
     result = TrainResult(cfg)
