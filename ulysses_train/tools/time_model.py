@@ -144,7 +144,8 @@ class Constants:
     around the recurrence: FLA's causal conv, the q, k, v concatenation and split, the key heads repeated for the
     value heads, the gates; the backward twice it. It runs in the recompute whether the rule's outputs are kept or
     not. Fitted on Qwen3.5-9B's steps at 65,536 and 131,072 tokens on one H200 with the gated norm fused
-    (docs/benchmarks.md, "Qwen3.5-9B"), the recurrence's rate held."""
+    (docs/benchmarks.md, "Qwen3.5-9B"), the recurrence's rate held. By bytes moved the listed work is a few tenths
+    of this; the rest is likely FLA's backward beyond 2.5x its forward (not yet profiled, docs/time.md)."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: fitted on its time in the profiled steps
     (docs/benchmarks.md, "Where the time of a step goes"; alone: "Fused loss chunk size"). Our kernel
