@@ -6,6 +6,9 @@ exits non-zero: a rank that left first could take rank 0's message with it, and 
 printed. So the other ranks wait until rank 0 has printed, through the rendezvous store at MASTER_ADDR:MASTER_PORT
 (the process group's; before the process group exists, one rank 0 opens for this), and rank 0 leaves once they have
 heard it. A rank that hears nothing within WAIT_S (rank 0 did not stop, or is gone) prints the message itself.
+Having heard, the other ranks let rank 0 leave first (until the store it holds goes, at most LEAVE_WAIT_S): a
+launcher reports the exit code of the first rank to leave and ends the rest, and a rank 1 that left first had
+rank 0 ended mid-exit by a signal (1 settings error in 4, under the test that launches ranks as DeepSpeed does).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from datetime import timedelta
 
 WAIT_S = 60.0  # a rank other than 0: how long it waits for rank 0's message before printing its own
 HEARD_WAIT_S = 10.0  # rank 0: how long it waits for the others to have heard, before it leaves (and its store)
+LEAVE_WAIT_S = 10.0  # another rank, having heard: how long it waits for rank 0 to leave first
 
 
 def _key(what: str) -> str:
@@ -55,6 +59,7 @@ def report_once(message: str, rank: int, world: int, stream=None) -> None:
         try:
             store.wait([_key("printed")], timedelta(seconds=WAIT_S))
             store.add(_key("heard"), 1)
+            _let_rank0_leave_first(store)
             return
         except Exception:  # noqa: BLE001 - rank 0 did not say it in time, or is gone: say it here
             pass
@@ -70,3 +75,15 @@ def _tell_and_wait(store, world: int) -> None:
     except Exception:  # noqa: BLE001 - the others then print it themselves
         pass
 
+
+def _let_rank0_leave_first(store) -> None:
+    """Returns once the store stops answering (rank 0, which holds it under DeepSpeed's launcher and before any
+    process group, has left) or after LEAVE_WAIT_S (a store held elsewhere, torchrun's agent: there the launcher
+    ends this rank as soon as rank 0 has left)."""
+    end = time.monotonic() + LEAVE_WAIT_S
+    try:
+        while time.monotonic() < end:
+            store.add(_key("heard"), 0)
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store went with rank 0
+        pass
