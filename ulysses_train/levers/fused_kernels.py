@@ -217,6 +217,7 @@ class RMSNormFunction(torch.autograd.Function):
         rows = _as_rows(x, n)  # a view for the inputs a decoder layer gives, maybe with rows apart
         gates = None if gate is None else _as_rows(gate, n)
         product_dtype = torch.result_type(weight, x) if rule.round_first else x.dtype
+        round_product = product_dtype != torch.float32  # the gated norm rounds the product where it is 16-bit
         out = torch.empty(rows.shape, dtype=x.dtype if gate is not None else product_dtype, device=x.device)
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         block_m, block_n, warps = _row_blocks(n)
@@ -224,10 +225,10 @@ class RMSNormFunction(torch.autograd.Function):
         _kernels().rms_forward[grid](rows, weight, out, rstd, rows if gates is None else gates, rows.shape[0], n,
                                      rows.stride(0), 0 if gates is None else gates.stride(0), eps, rule.offset,
                                      BLOCK_M=block_m, BLOCK_N=block_n, ROUND_FIRST=rule.round_first,
-                                     GATED=gates is not None, ROUND_PRODUCT=product_dtype != torch.float32,
+                                     GATED=gates is not None, ROUND_PRODUCT=round_product,
                                      num_warps=warps)
         ctx.save_for_backward(rows, weight, rstd, gates)
-        ctx.x_shape, ctx.rule, ctx.round_product = x.shape, rule, product_dtype != torch.float32
+        ctx.x_shape, ctx.rule, ctx.round_product = x.shape, rule, round_product
         return out.view(*x.shape[:-1], n)
 
     @staticmethod

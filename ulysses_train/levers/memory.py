@@ -46,7 +46,7 @@ FUSED_ROTARY_SAVING = 1.25
 # gated norm (--fused_kernels) the norm keeps its input and gate in bf16 and no fp32 copies of the value width (the
 # upcast input, the normalised values, silu(z), the product, and their gradients in the backward): measured on the
 # H200, Qwen3.5-9B with the offload peaks at 82.5 / 98.0 GiB at 64k / 131k tokens, the count at 6 gave 86.0 /
-# 103.0 (+4.3% / +5.1%), at 4 it gives +0.6% / -1.0% (docs/memory.md). Beside them the backward recomputes each
+# 103.0 (+4.3% / +5.1%), at 4 it gives +0.7% / -1.0% (docs/memory.md). Beside them the backward recomputes each
 # chunk's state (`deltanet_state_bytes`).
 LINEAR_ATTENTION_TENSORS = 6
 LINEAR_ATTENTION_TENSORS_FUSED = 4

@@ -141,9 +141,9 @@ class Constants:
     below the matmul ceiling: FLA's kernels are bound by the chunk's small products and the state's traffic."""
     deltanet_elementwise: float = 1.9e-11
     """Seconds per token and conv channel (2 x key width + value width) of a Gated DeltaNet layer's forward work
-    around the recurrence: FLA's causal conv, the q, k, v concatenation and split, the key heads repeated for the
-    value heads, the gates; the backward twice it. It runs in the recompute whether the rule's outputs are kept or
-    not. Fitted on Qwen3.5-9B's steps at 65,536 and 131,072 tokens on one H200 with the gated norm fused
+    around the recurrence: FLA's causal conv, the q, k, v layout copies (under SP: the all-to-all's concatenation),
+    FLA's L2 norm of q and k, the gates; the backward twice it. It runs in the recompute whether the rule's outputs
+    are kept or not. Fitted on Qwen3.5-9B's steps at 65,536 and 131,072 tokens on one H200 with the gated norm fused
     (docs/benchmarks.md, "Qwen3.5-9B"), the recurrence's rate held. By bytes moved the listed work is a few tenths
     of this; the rest is likely FLA's backward beyond 2.5x its forward (not yet profiled, docs/time.md)."""
     loss_tflops: float = 350.0
