@@ -73,7 +73,7 @@ def _ancestors(event) -> list[str]:
     return names
 
 
-def categorise(prof, top: int = 40) -> dict:
+def categorise(prof, top: int = 80) -> dict:
     """From a finished torch.profiler.profile: seconds of GPU time per category (`categories`), and the `top`
     kernels by time as [category, kernel name, launches, seconds] (`top`), to see what a category holds."""
     launchers: dict[int, tuple[int, list[str]]] = {}  # correlation id -> (depth, ancestors) of the launching op

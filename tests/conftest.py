@@ -29,7 +29,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 FOLDER_MARKS = {"distributed": ("slow",), "gpu": ("gpu", "slow")}
 
 
+_CONFIG = []  # pytest's config, for the terminal reporter
+
+
 def pytest_configure(config):
+    _CONFIG.append(config)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one (every test in tests/gpu)")
     config.addinivalue_line("markers", "slow: starts processes or trains for seconds (every test in tests/distributed "
                                        "and tests/gpu, and those so marked in tests/unit); -m 'not slow' is the "
@@ -49,3 +53,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+
+def pytest_runtest_logreport(report):
+    """A GPU test's failure, printed the moment it comes (in the main process under xdist too): a command on the
+    lent GPU machine has a time limit that can end the session before pytest's summary, and the reason with it.
+    Through the terminal reporter: pytest captures the process's own stderr at that point."""
+    if report.failed and "gpu" in report.keywords and _CONFIG:
+        reporter = _CONFIG[0].pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"FAILED NOW {report.nodeid} ({report.when}):\n{report.longreprtext[-4000:]}")

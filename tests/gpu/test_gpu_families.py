@@ -12,6 +12,9 @@ it is installed and takes the model's heads, else SDPA; the fused kernels; kept 
 - `test_family_verifies_in_bf16_with_the_defaults`: `--verify` in bf16 against plain transformers on the same
   weights and tokens, at 4,096 tokens, passes (docs/verify.md says what it holds the run to).
 
+Run side by side (`-n 4`), each launch first takes the GPU memory the planner gives its run (tests/gpu/gpu_share.py):
+the cases range from 12 to 36 GiB, and five of them at once do not fit an 80 GiB H100.
+
 This is the test that would have caught OLMo 3's crash with the defaults (its fused rotary returned fp32 q and k
 beside a bf16 v) and Gemma 4's (global heads of 512, wider than FA4 takes): the CPU suite ran the families in fp32
 and without the GPU's kernels (tests/unit/test_fused_kernels.py now runs them in bf16 too).
@@ -23,6 +26,7 @@ import sys
 
 import pytest
 
+from tests.gpu.gpu_share import gpu_share, planned_gib, verify_gib
 from tests.trainer_runs import metrics, run
 
 pytestmark = pytest.mark.gpu
@@ -90,6 +94,13 @@ def family_config(name: str, tmp_path) -> str:
     return str(path)
 
 
+def _params(config_path: str) -> int:
+    """The case's parameter count, as the planner counts them."""
+    from ulysses_train.tools.plan_command import Machine, command
+
+    return command(["--model_config", config_path], Machine(1, 80 * 2**30, 125 * 2**30)).g["params"]
+
+
 def _skip_without_its_kernel(name: str) -> None:
     """Gemma 2's attention softcap has no SDPA kernel on CUDA: without FA4 or FA2 the run is refused (by design)."""
     from ulysses_train.sp.kernels import kernel_available
@@ -101,9 +112,10 @@ def _skip_without_its_kernel(name: str) -> None:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_trains_two_steps_with_the_defaults(name, tmp_path):
     _skip_without_its_kernel(name)
-    proc = run([sys.executable], ["--model_config", family_config(name, tmp_path), "--seq_len", SEQ_LEN,
-                                  "--steps", "2", "--lr", "1e-4", "--save_final", "false",
-                                  "--ds_config", "ds_configs/zero3_bf16_states.json"], tmp_path / "run")
+    flags = ["--model_config", family_config(name, tmp_path), "--steps", "2", "--lr", "1e-4", "--save_final", "false",
+             "--ds_config", "ds_configs/zero3_bf16_states.json"]
+    with gpu_share(planned_gib(flags, int(SEQ_LEN)), name):
+        proc = run([sys.executable], flags + ["--seq_len", SEQ_LEN], tmp_path / "run")
     records = metrics(tmp_path / "run")
     assert len(records) == 2, proc.stdout[-2000:]
     for r in records:
@@ -115,8 +127,12 @@ def test_family_trains_two_steps_with_the_defaults(name, tmp_path):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_verifies_in_bf16_with_the_defaults(name, tmp_path):
     _skip_without_its_kernel(name)
-    proc = run([sys.executable], ["--verify", "--model_config", family_config(name, tmp_path), "--seq_len", SEQ_LEN,
-                                  "--verify_seq_len", VERIFY_SEQ_LEN], tmp_path / "run", expect_ok=False)
+    config = family_config(name, tmp_path)
+    values = json.loads(open(config).read())
+    need = verify_gib(["--model_config", config], int(VERIFY_SEQ_LEN), _params(config), values["vocab_size"])
+    with gpu_share(need, name):
+        proc = run([sys.executable], ["--verify", "--model_config", config, "--seq_len", SEQ_LEN,
+                                      "--verify_seq_len", VERIFY_SEQ_LEN], tmp_path / "run", expect_ok=False)
     report = tmp_path / "run" / "verify" / "verify.json"
     assert report.exists(), f"--verify wrote no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads(report.read_text())

@@ -4,6 +4,8 @@ tightly; in bf16 the interpreter rounds its downcasts differently from the GPU (
 values that PyTorch rounds to nearest), so bf16 is checked to a few bf16 steps here and tightly in
 tests/gpu/test_gpu.py."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -108,7 +110,8 @@ def test_gated_rms_norm_matches_transformers(family, weight_dtype, dtype):
     g = torch.Generator().manual_seed(5)
     shape = (2, 150, 8, 128)
     x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
-    z = (2 * torch.randn(2, 150, 8, 256, generator=g, dtype=torch.float64)).to(dtype)[..., 64:192]
+    z_rows = (2 * torch.randn(2, 150, 8, 256, generator=g, dtype=torch.float64)).to(dtype)
+    z = z_rows[..., 64:192]
     norm = cls(128, eps=1e-6).double()
     norm.weight.data = 1.0 + 0.2 * torch.randn(128, generator=g, dtype=torch.float64)
     dy = torch.randn(shape, generator=g, dtype=torch.float64)
@@ -117,13 +120,17 @@ def test_gated_rms_norm_matches_transformers(family, weight_dtype, dtype):
 
     w_dtype = dtype if weight_dtype == "model" else torch.float32
     w = norm.weight.detach().to(DEVICE, w_dtype).requires_grad_()
-    got_x, got_z = x.to(DEVICE).requires_grad_(), z.to(DEVICE).requires_grad_()
-    assert got_z.stride(-2) != 128  # the gate's rows lie apart
+    # the gate sliced on the device: a copy to the GPU of a view with gaps would come out contiguous
+    got_x, got_rows = x.to(DEVICE).requires_grad_(), z_rows.to(DEVICE).requires_grad_()
+    got_z = got_rows[..., 64:192]
+    assert got_z.stride(-2) == 256  # the gate's rows lie apart
     got = gated_rms_norm(got_x, got_z, w, 1e-6)
     got.backward(dy.to(DEVICE, dtype))
-    assert got.dtype == dtype and got_z.grad.dtype == dtype and w.grad.dtype == w_dtype
+    dz = got_rows.grad[..., 64:192]
+    assert got.dtype == dtype and dz.dtype == dtype and w.grad.dtype == w_dtype
+    assert not got_rows.grad[..., :64].any() and not got_rows.grad[..., 192:].any()
     ref_out = norm(x.double(), z.double())
-    for what, a, b in (("out", got, ref_out), ("dx", got_x.grad, ref_x.grad), ("dz", got_z.grad, ref_z.grad),
+    for what, a, b in (("out", got, ref_out), ("dx", got_x.grad, ref_x.grad), ("dz", dz, ref_z.grad),
                        ("dweight", w.grad, norm.weight.grad)):
         assert rel_err(a.cpu(), b) < TOL[dtype], what
 
@@ -145,15 +152,21 @@ def test_only_the_gated_norms_computing_silu_are_patched():
     """The patch takes a module by what it computes with its own activation: Qwen3.5's gated norm with silu is
     replaced; the same class built with sigmoid (a family that gates so), Mamba 2's gated norm (the gate applied
     before the norm) and a plain RMSNorm are left alone."""
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
+    # Mamba 2's gated norm: `MambaRMSNormGated(hidden_size, eps)` in transformers 5.17, later
+    # `Mamba2RMSNormGated(hidden_size, group_size, eps)`
+    mamba_norm = next(getattr(modeling_mamba2, name) for name in ("Mamba2RMSNormGated", "MambaRMSNormGated")
+                      if hasattr(modeling_mamba2, name))
+    grouped = "group_size" in inspect.signature(mamba_norm).parameters
     silu, sigmoid = Qwen3_5RMSNormGated(16), Qwen3_5RMSNormGated(16)
     sigmoid.activation = "sigmoid"
-    model = torch.nn.ModuleList([silu, sigmoid, Mamba2RMSNormGated(16, group_size=16), Qwen3_5RMSNorm(16)])
+    model = torch.nn.ModuleList([silu, sigmoid, mamba_norm(16, **({"group_size": 16} if grouped else {})),
+                                 Qwen3_5RMSNorm(16)])
     assert install_fused_gated_norms(model) == 1
     assert type(silu).__name__ == "FusedQwen3_5RMSNormGated"
-    assert [type(m).__name__ for m in model[1:]] == ["Qwen3_5RMSNormGated", "Mamba2RMSNormGated", "Qwen3_5RMSNorm"]
+    assert [type(m).__name__ for m in model[1:]] == ["Qwen3_5RMSNormGated", mamba_norm.__name__, "Qwen3_5RMSNorm"]
     assert install_fused_gated_norms(model) == 0  # patching twice does nothing
 
 
