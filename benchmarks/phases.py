@@ -193,7 +193,10 @@ def profile_one_step(trainer, step: int, trace_path: str | None):
     finally:
         prof.stop()
         trainer.engine.step = original
-        result.update(categorise(prof))
-        result["streams"] = stream_busy(prof)
-        if trace_path:
-            prof.export_chrome_trace(trace_path)
+        if prof.profiler is None:  # stopped (SIGTERM, an error) before the profiled step: nothing recorded
+            print(f"profile: step {step} was not reached, no kernels recorded", flush=True)
+        else:
+            result.update(categorise(prof))
+            result["streams"] = stream_busy(prof)
+            if trace_path:
+                prof.export_chrome_trace(trace_path)
