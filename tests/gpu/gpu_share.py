@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ulysses_train.data.token_store import process_alive
+
 GiB = 2**30
 MARGIN = 1.2  # what the planner's estimate leaves out, as a share of it ...
 CONTEXT_GIB = 2.0  # ... and per process: the CUDA context, cuBLAS's workspace, Triton's
@@ -57,23 +59,13 @@ def _ledger() -> Path:
     return Path(tempfile.gettempdir()) / f"ulysses-gpu-share-{os.getuid()}-{device}.json"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def _locked(path: Path):
     """The ledger {pid: GiB} under an exclusive lock; what the block leaves in it is written back."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         held = json.loads(path.read_text()) if path.exists() and path.stat().st_size else {}
-        held = {pid: gib for pid, gib in held.items() if _alive(int(pid))}
+        held = {pid: gib for pid, gib in held.items() if process_alive(int(pid))}
         yield held
         path.write_text(json.dumps(held))
 

@@ -128,7 +128,8 @@ def test_family_trains_two_steps_with_the_defaults(name, tmp_path):
 def test_family_verifies_in_bf16_with_the_defaults(name, tmp_path):
     _skip_without_its_kernel(name)
     config = family_config(name, tmp_path)
-    values = json.loads(open(config).read())
+    with open(config) as f:
+        values = json.load(f)
     need = verify_gib(["--model_config", config], int(VERIFY_SEQ_LEN), _params(config), values["vocab_size"])
     with gpu_share(need, name):
         proc = run([sys.executable], ["--verify", "--model_config", config, "--seq_len", SEQ_LEN,

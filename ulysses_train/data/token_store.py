@@ -223,12 +223,13 @@ def _remove_abandoned_builds(cache_dir: str, key: str) -> None:
         middle = name[len(key) + 2:-len(_TMP)]  # host.pid.uuid (the host name may hold dots) or discarded.uuid
         owner = middle.rsplit(".", 2)
         abandoned = middle.startswith("discarded.") or (
-            len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not _alive(int(owner[1])))
+            len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not process_alive(int(owner[1])))
         if abandoned:
             shutil.rmtree(os.path.join(cache_dir, name), ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine runs under `pid` (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
