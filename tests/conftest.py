@@ -55,7 +55,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-
 def pytest_runtest_logreport(report):
     """A GPU test's failure, printed the moment it comes (in the main process under xdist too): a command on the
     lent GPU machine has a time limit that can end the session before pytest's summary, and the reason with it.

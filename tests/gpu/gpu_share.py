@@ -29,26 +29,32 @@ GPU_SHARE = 0.95  # of the GPU's memory the ledger hands out
 POLL_S = 2.0
 
 
-def planned_gib(train_argv: list[str], seq_len: int) -> float:
-    """GiB on the GPU of launch/train.py with `train_argv` at `seq_len` on one GPU, by the planner, with the margin."""
+def _plan(train_argv: list[str], seq_len: int):
+    """launch/train.py with `train_argv` at `seq_len` on this GPU, as the planner resolves it: (GiB it plans on the
+    GPU, the model's geometry)."""
     import torch
 
     from ulysses_train.levers.policy import GiB as PLAN_GIB
     from ulysses_train.tools.plan_command import Machine, command, evaluate
     from ulysses_train.tools.time_model import Constants
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    machine = Machine(1, total, 125 * PLAN_GIB)
-    plan = evaluate(command([*train_argv, "--seq_len", str(seq_len)], machine), machine, Constants())
-    return plan.memory["gpu_total"] / GiB * MARGIN + CONTEXT_GIB
+    machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 125 * PLAN_GIB)
+    run = command([*train_argv, "--seq_len", str(seq_len)], machine)
+    return evaluate(run, machine, Constants()).memory["gpu_total"] / GiB, run.g
 
 
-def verify_gib(train_argv: list[str], seq_len: int, params: int, vocab: int) -> float:
-    """A `--verify` run: the trainer's step at `seq_len`, and beside it plain transformers' model in bf16 with its
+def planned_gib(train_argv: list[str], seq_len: int) -> float:
+    """GiB on the GPU of launch/train.py with `train_argv` at `seq_len` on one GPU, by the planner, with the margin."""
+    return _plan(train_argv, seq_len)[0] * MARGIN + CONTEXT_GIB
+
+
+def verify_gib(train_argv: list[str], seq_len: int) -> float:
+    """A `--verify` run at `seq_len`: the trainer's step, and beside it plain transformers' model in bf16 with its
     gradients (4 bytes a parameter) and its logits' forward and backward (bf16, fp32 upcast, fp32 gradient: 10
     bytes a logit)."""
-    reference = (4 * params + 10 * seq_len * vocab) / GiB
-    return planned_gib(train_argv, seq_len) + reference * MARGIN
+    planned, g = _plan(train_argv, seq_len)
+    reference = (4 * g["params"] + 10 * seq_len * g["vocab"]) / GiB
+    return (planned + reference) * MARGIN + CONTEXT_GIB
 
 
 def _ledger() -> Path:
