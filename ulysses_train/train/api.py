@@ -75,10 +75,11 @@ def train(config: Union[TrainConfig, dict, str, os.PathLike, None] = None, /, **
 
 
 # Environment defaults of a run's processes, each kept where the user set it: the allocator's expandable segments
-# (long sequences fragment it); Triton's autotuning results cached on disk, keyed by GPU, kernel source and shapes,
-# so a resumed or repeated run skips FLA's autotuning of the DeltaNet kernels (1-3 minutes of the first step on an
-# H200). Both are read when the libraries start (Triton's when a kernel module is imported), before any here.
-PROCESS_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TRITON_CACHE_AUTOTUNING": "1"}
+# (long sequences fragment it), read when CUDA starts, before any allocation here. Not among them: Triton's
+# TRITON_CACHE_AUTOTUNING. The only autotuned kernels a run uses are FLA's, and FLA (>= 0.6, our [fla] extra) asks
+# Triton to keep their autotuning results on disk itself (its FLA_CACHE_RESULTS, on unless set to 0), so a resumed or
+# repeated run on the same machine skips that part of the first step whatever the knob says.
+PROCESS_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def process_defaults() -> None:
