@@ -63,3 +63,22 @@ def test_the_first_step_is_announced_where_it_compiles_on_a_gpu():
     alone = first_step_note(run("cuda", linear="fla"))
     assert "FLA's DeltaNet" in alone and "FlashAttention-4" not in alone and "pinned" not in alone
     assert first_step_note(run("cuda")) is None and first_step_note(run("cpu", "flash_attn_4", "fla", True)) is None
+
+
+
+def test_the_first_step_says_it_is_alive_until_it_ends():
+    """Lines from a thread while the first step runs, with the seconds so far, and none once it ended. With no
+    interval (every=0) the thread writes as fast as it runs; the clock says 60 s more at each line."""
+    import itertools
+
+    from ulysses_train.train.step.metrics import FirstStepTicker
+
+    lines = []
+    with FirstStepTicker(lines.append, every=0, clock=itertools.count(100.0, 60.0).__next__) as ticker:
+        while len(lines) < 3:  # the step runs until the thread has written three lines
+            ticker._thread.join(0.01)
+    written = len(lines)
+    assert lines[:3] == [f"first step: {s} s so far (compiling and autotuning once; later steps reuse it)"
+                         for s in (60, 120, 180)]
+    assert not ticker._thread.is_alive() and len(lines) == written  # stopped with the step
+    assert not any(line.startswith("step") for line in lines)  # apart from the step lines

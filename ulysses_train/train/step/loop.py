@@ -6,6 +6,7 @@ faults), memory_profile.py (`--profile_memory`), levers/offload.py (its own book
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -16,7 +17,7 @@ from ...data.sources import trainable_tokens
 from ..process.faults import check_grad_norm, inject_at_step, loss_is_skipped
 from .evaluate import evaluate_tokens
 from .memory_profile import ProfileFirstSteps
-from .metrics import MetricsLogger, device_peak_gib, host_peak_gib
+from .metrics import FirstStepTicker, MetricsLogger, device_peak_gib, host_peak_gib
 from .shards import shard_batch
 from .step_kind import StepKind
 
@@ -143,7 +144,9 @@ def train(run) -> list[dict]:
         for step in range(run.start_step + 1, steps + 1):
             inject_at_step(step, run.rank, stop)
             profile.before_step(step)
-            record = train_step(run, step)
+            first = note is not None and step == run.start_step + 1 and logger.enabled
+            with FirstStepTicker(logger.write) if first else contextlib.nullcontext():
+                record = train_step(run, step)
             profile.after_step(step)
             if run.eval_source is not None and (step == steps or (every_eval and step % every_eval == 0)):
                 record |= evaluate(run, run.eval_source, cfg.eval.eval_samples)
