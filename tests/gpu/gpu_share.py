@@ -2,10 +2,11 @@
 waits while the runs beside it hold so much that its own would not fit.
 
 Why: the families' runs differ by 3x in memory (Llama 4's two layers plan 36 GiB, Qwen3-Next's 12.5 GiB); five
-workers at once on an 80 GiB H100 ran out of memory and failed two Llama 4 tests that pass alone, while a 141 GiB
-H200 holds them all. The share is what our own planner says the run needs (tools/plan_command.py, the same
-estimate as `python -m ulysses_train.plan -- <flags>`), with a margin for what it leaves out (each process's CUDA
-context, the allocator's rounding). A run asking for more than the GPU has still runs, alone.
+workers at once on an 80 GiB H100 failed two Llama 4 tests that pass alone (the failure text was lost; by these
+plans, out of memory), while a 141 GiB H200 holds them all. The share is what our own planner says the run needs
+(tools/plan_command.py, the same estimate as `python -m ulysses_train.plan -- <flags>`), with a margin for what it
+leaves out (each process's CUDA context, the allocator's rounding). A run asking for more than the GPU has still
+runs, alone.
 
 The workers agree through a ledger file in the temp folder, one per GPU, under an exclusive lock: {pid: GiB} of
 the runs on the GPU now; an entry whose process has gone is dropped."""
@@ -21,8 +22,8 @@ import time
 from pathlib import Path
 
 from ulysses_train.data.token_store import process_alive
+from ulysses_train.levers.policy import GiB
 
-GiB = 2**30
 MARGIN = 1.2  # what the planner's estimate leaves out, as a share of it ...
 CONTEXT_GIB = 2.0  # ... and per process: the CUDA context, cuBLAS's workspace, Triton's
 GPU_SHARE = 0.95  # of the GPU's memory the ledger hands out
@@ -34,11 +35,10 @@ def _plan(train_argv: list[str], seq_len: int):
     GPU, the model's geometry)."""
     import torch
 
-    from ulysses_train.levers.policy import GiB as PLAN_GIB
     from ulysses_train.tools.plan_command import Machine, command, evaluate
     from ulysses_train.tools.time_model import Constants
 
-    machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 125 * PLAN_GIB)
+    machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 125 * GiB)
     run = command([*train_argv, "--seq_len", str(seq_len)], machine)
     return evaluate(run, machine, Constants()).memory["gpu_total"] / GiB, run.g
 

@@ -65,7 +65,6 @@ def test_the_first_step_is_announced_where_it_compiles_on_a_gpu():
     assert first_step_note(run("cuda")) is None and first_step_note(run("cpu", "flash_attn_4", "fla", True)) is None
 
 
-
 def test_the_first_step_says_it_is_alive_until_it_ends():
     """Lines from a thread while the first step runs, with the seconds so far, and none once it ended. With no
     interval (every=0) the thread writes as fast as it runs; the clock says 60 s more at each line."""
