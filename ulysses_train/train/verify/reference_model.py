@@ -109,7 +109,7 @@ def reference_model(model_config, weights: dict, dtype: torch.dtype, device: tor
             if not (quantized and type(param).__name__ == "Params4bit"):
                 param.copy_(base[name])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if fla_problem(device) is not None:
+    if dtype in (torch.float32, torch.float64) or fla_problem(device) is not None:
         use_torch_delta_rule(model)
     names = None
     if adapters is not None:
@@ -124,10 +124,14 @@ _TORCH_RULE_CLASSES: dict[type, type] = {}
 def use_torch_delta_rule(model) -> int:
     """Every Gated DeltaNet mixer of `model` computes its delta rule with its modeling file's own torch function.
 
-    Why: transformers binds FLA's kernel in its place at import wherever `fla` imports, also where FLA cannot run
-    (on Hopper with Triton before 3.7.1 and no tilelang its backward raises), where the trainer falls back to the same
-    torch function (sp/linear_kernel.py); the reference then computes what plain transformers computes without FLA.
-    The mixer's class gets a copy of its forward reading the torch function (the module file stays as it is)."""
+    Where: the fp32 and fp64 references (the truth errors are measured against), and any reference where FLA cannot
+    run. Why: transformers binds FLA's kernel in its place at import wherever `fla` imports. FLA's Triton kernels
+    take TF32 dots on fp32 inputs (its triangular solve among them), which round each operand to 10 bits of
+    mantissa (5e-4 relative): through FLA the truth would not be fp32, and would cost FLA's compilation and
+    autotuning in fp32 on the first use; and where FLA cannot run (on Hopper with Triton before 3.7.1 and no
+    tilelang its backward raises) the trainer falls back to the same torch function (sp/linear_kernel.py). The
+    reference in the run's bf16 keeps FLA's kernel where it runs: plain transformers as a user has it. The
+    mixer's class gets a copy of its forward reading the torch function (the module file stays as it is)."""
     import inspect
     import sys
 
