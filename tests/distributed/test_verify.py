@@ -221,12 +221,14 @@ def test_the_reference_runs_transformers_torch_delta_rule_where_fla_cannot_run(f
     assert torch.equal(got.detach(), want.detach())
 
 
-@pytest.mark.parametrize("dtype,torch_rule", [("float32", True), ("float64", True), ("bfloat16", False)])
-def test_the_truth_runs_the_torch_delta_rule_even_where_fla_runs(dtype, torch_rule, monkeypatch):
+@pytest.mark.parametrize("dtype,is_truth", [("float32", True), ("float64", True), ("bfloat16", False),
+                                            ("float32", False)])
+def test_the_truth_runs_the_torch_delta_rule_even_where_fla_runs(dtype, is_truth, monkeypatch):
     """FLA's Triton kernels take TF32 dots on fp32 inputs (its triangular solve among them), so through them an fp32
-    reference would not be fp32 (10 bits of mantissa per operand): the fp32 and fp64 references run the torch rule
-    wherever FLA runs too. The bf16 reference is plain transformers as a user has it, with the kernel transformers
-    binds (FLA's where it imports). FLA's binding stood in for by a function that raises; FLA said to run here."""
+    reference would not be fp32 (10 bits of mantissa per operand): the truth (fp32 for a bf16 run, fp64 for an fp32
+    one) runs the torch rule wherever FLA runs too. The reference in the run's own dtype, bf16 or fp32, is plain
+    transformers as a user has it, with the kernel transformers binds (FLA's where it imports). FLA's binding stood
+    in for by a function that raises; FLA said to run here."""
     import functools
     import sys
 
@@ -237,15 +239,17 @@ def test_the_truth_runs_the_torch_delta_rule_even_where_fla_runs(dtype, torch_ru
     from ulysses_train.train.verify import reference_model as reference_module
 
     config = any_tiny_config("qwen3_5_text")
-    weights = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
-    modeling = sys.modules[type(AutoModelForCausalLM.from_config(config)).__module__]
+    plain = AutoModelForCausalLM.from_config(config)
+    weights = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    modeling = sys.modules[type(plain).__module__]
 
     @functools.wraps(modeling.torch_chunk_gated_delta_rule)
     def bound_fla(*args, **kwargs):
         raise RuntimeError("FLA's kernel ran")
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", bound_fla)
     monkeypatch.setattr(reference_module, "fla_problem", lambda device: None)
-    model, _ = reference_module.reference_model(config, weights, getattr(torch, dtype), torch.device("cpu"))
+    model, _ = reference_module.reference_model(config, weights, getattr(torch, dtype), torch.device("cpu"),
+                                                is_truth=is_truth)
     ids = torch.randint(1, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
-    with contextlib.nullcontext() if torch_rule else pytest.raises(RuntimeError, match="FLA's kernel ran"):
+    with contextlib.nullcontext() if is_truth else pytest.raises(RuntimeError, match="FLA's kernel ran"):
         assert torch.isfinite(model(input_ids=ids, labels=ids).loss)

@@ -38,18 +38,19 @@ def pair_logps(model, pairs: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 class PreferenceReference:
-    """verify.reference_step's counterpart for pairs: called as (model_config, weights, batches, dtype, device) ->
-    (loss, grads, buffers); `check()` then judges the cached reference log-probs."""
+    """verify.reference_step's counterpart for pairs: called as (model_config, weights, batches, dtype, device,
+    adapters, base_model, is_truth) -> (loss, grads, buffers); `check()` then judges the cached reference log-probs."""
 
     def __init__(self, spec: PreferenceSpec, weights_are_reference: bool, ref_model: Optional[str] = None):
         self.spec, self.weights_are_reference, self.ref_model = spec, weights_are_reference, ref_model
         self.errors: dict = {}  # dtype name -> relative error of our cached reference log-probs
 
     def __call__(self, model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                 device: torch.device, adapters=None, base_model: Optional[str] = None) -> tuple[float, dict, dict]:
-        model, names = reference_model(model_config, weights, dtype, device, adapters, base_model)
+                 device: torch.device, adapters=None, base_model: Optional[str] = None,
+                 is_truth: bool = False) -> tuple[float, dict, dict]:
+        model, names = reference_model(model_config, weights, dtype, device, adapters, base_model, is_truth)
         logp_dtype = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
-        frozen = self._ref_model(model_config, dtype, device) if self.ref_model else model
+        frozen = self._ref_model(model_config, dtype, device, is_truth) if self.ref_model else model
         pairs = [unpack_pairs(b) for b in batches]
         pairs_total = float(sum(len(p) for p in pairs))
         chosen_total = max(1.0, float(sum(int(b["scored"][:, 0].sum()) for b in batches)))
@@ -77,11 +78,12 @@ class PreferenceReference:
             torch.cuda.empty_cache()
         return total, grads, buffers
 
-    def _ref_model(self, model_config, dtype: torch.dtype, device: torch.device):
+    def _ref_model(self, model_config, dtype: torch.dtype, device: torch.device, is_truth: bool):
         """--ref_model as plain transformers, built as the policy's reference is (its forward's config: the run's)."""
         from ..preference.reference_logps import pretrained_weights
 
-        return reference_model(model_config, pretrained_weights(self.ref_model, dtype), dtype, device)[0].eval()
+        weights = pretrained_weights(self.ref_model, dtype)
+        return reference_model(model_config, weights, dtype, device, is_truth=is_truth)[0].eval()
 
     def check(self, truth: torch.dtype, run_dtype: torch.dtype) -> tuple[dict, list[str]]:
         """The result's `reference_logps` entry and the failures: our cached reference log-probs against plain

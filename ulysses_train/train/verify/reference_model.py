@@ -65,14 +65,14 @@ def supports_sdpa(model_config) -> bool:
 
 
 def reference_model(model_config, weights: dict, dtype: torch.dtype, device: torch.device, adapters=None,
-                    base_model: Optional[str] = None):
+                    base_model: Optional[str] = None, is_truth: bool = False):
     """Plain transformers on `weights`, in `dtype` on `device`, in training mode with gradient checkpointing (it
     bounds the memory; it recomputes the same ops). Returns the model and {our name: its name} of the parameters
     whose gradients are compared (None: every parameter, under its own name). With `adapters` (model/adapters.py:
     --use_peft) the model is PEFT's (`get_peft_model`, the same LoraConfig and modules_to_save) with our adapters'
     weights, and the names are those of the trainable parameters; with --load_in_4bit the base is quantized from
     `base_model` as ours was (the same weights give the same NF4 blocks), and the weights that are not 4-bit are
-    copied."""
+    copied. `is_truth`: the reference errors are measured against (its DeltaNet layers run the exact torch rule)."""
     from transformers import AutoModelForCausalLM
 
     # the weights are overwritten next: skip their random initialisation (19 s on the CPU for Qwen3-4B's embedding
@@ -109,7 +109,7 @@ def reference_model(model_config, weights: dict, dtype: torch.dtype, device: tor
             if not (quantized and type(param).__name__ == "Params4bit"):
                 param.copy_(base[name])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if dtype in (torch.float32, torch.float64) or fla_problem(device) is not None:
+    if is_truth or fla_problem(device) is not None:
         use_torch_delta_rule(model)
     names = None
     if adapters is not None:
@@ -124,13 +124,13 @@ _TORCH_RULE_CLASSES: dict[type, type] = {}
 def use_torch_delta_rule(model) -> int:
     """Every Gated DeltaNet mixer of `model` computes its delta rule with its modeling file's own torch function.
 
-    Where: the fp32 and fp64 references (the truth errors are measured against), and any reference where FLA cannot
+    Where: the truth (the fp32 or fp64 reference errors are measured against), and any reference where FLA cannot
     run. Why: transformers binds FLA's kernel in its place at import wherever `fla` imports. FLA's Triton kernels
     take TF32 dots on fp32 inputs (its triangular solve among them), which round each operand to 10 bits of
     mantissa (5e-4 relative): through FLA the truth would not be fp32, and would cost FLA's compilation and
     autotuning in fp32 on the first use; and where FLA cannot run (on Hopper with Triton before 3.7.1 and no
     tilelang its backward raises) the trainer falls back to the same torch function (sp/linear_kernel.py). The
-    reference in the run's bf16 keeps FLA's kernel where it runs: plain transformers as a user has it. The
+    reference in the run's dtype keeps FLA's kernel where it runs: plain transformers as a user has it. The
     mixer's class gets a copy of its forward reading the torch function (the module file stays as it is)."""
     import inspect
     import sys
@@ -171,11 +171,11 @@ def reference_buffers(model, names: Optional[dict]) -> dict:
     return {n: b.detach().cpu() for n, b in plain.named_buffers()}
 
 
-def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype,
-                   device: torch.device, adapters=None, base_model: Optional[str] = None) -> tuple[float, dict, dict]:
+def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype, device: torch.device,
+                   adapters=None, base_model: Optional[str] = None, is_truth: bool = False) -> tuple[float, dict, dict]:
     """Plain transformers on `weights` (reference_model, with `adapters` PEFT's): the mean over every trainable
     token of `batches`, the gradient of that mean (fp32, CPU) and the model's own buffers."""
-    model, names = reference_model(model_config, weights, dtype, device, adapters, base_model)
+    model, names = reference_model(model_config, weights, dtype, device, adapters, base_model, is_truth)
     total, counts = 0.0, [trainable_tokens(b) for b in batches]
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours
         if count == 0:  # no target: nothing to add (transformers' mean over no token would be NaN)

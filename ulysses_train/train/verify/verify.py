@@ -256,7 +256,7 @@ def run_verify(trainer) -> dict:
         reference_step = _reference_for(trainer)
         extra = (trainer.adapters, trainer.cfg.base.model)
         ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
-                                                          trainer.device, *extra)
+                                                          trainer.device, *extra, is_truth=True)
         ours = relative_errors(loss, grads, ref_loss, ref_grads)
         theirs = None
         if trainer.dtype != truth:  # its buffers are the ones ours must equal
