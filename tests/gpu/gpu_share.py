@@ -49,11 +49,12 @@ def planned_gib(train_argv: list[str], seq_len: int) -> float:
 
 
 def verify_gib(train_argv: list[str], seq_len: int) -> float:
-    """A `--verify` run at `seq_len`: the trainer's step, and beside it plain transformers' model in bf16 with its
-    gradients (4 bytes a parameter) and its logits' forward and backward (bf16, fp32 upcast, fp32 gradient: 10
-    bytes a logit)."""
+    """A `--verify` run at `seq_len`: the trainer's step, and beside it the larger of its two references, plain
+    transformers in fp32 (the truth; the bf16 one comes after it is freed): weights and gradients (8 bytes a
+    parameter), its fp32 logits and their gradient (8 bytes a logit), and one 1 GiB piece of the fp64
+    cross-entropy with its gradient at a time (train/verify/reference_model.py: fp64_cross_entropy_sum)."""
     planned, g = _plan(train_argv, seq_len)
-    reference = (4 * g["params"] + 10 * seq_len * g["vocab"]) / GiB
+    reference = (8 * g["params"] + 8 * seq_len * g["vocab"]) / GiB + 2
     return (planned + reference) * MARGIN + CONTEXT_GIB
 
 
