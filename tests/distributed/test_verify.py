@@ -253,3 +253,38 @@ def test_the_truth_runs_the_torch_delta_rule_even_where_fla_runs(dtype, is_truth
     ids = torch.randint(1, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     with contextlib.nullcontext() if is_truth else pytest.raises(RuntimeError, match="FLA's kernel ran"):
         assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_only_the_truth_is_asked_for_the_exact_delta_rule(dtype, monkeypatch, tmp_path):
+    """`run_verify` calls the reference twice where the run's dtype is not the truth's: first the truth (fp32 for
+    bf16, fp64 for an fp32 run of a DeltaNet model), marked `is_truth`, then the run's own dtype, not marked (plain
+    transformers as a user has it, FLA's kernel where it imports). The reference stood in for by one that records
+    its calls; our step by fixed gradients."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.models import any_tiny_config
+    from ulysses_train.train.verify import verify as verify_module
+
+    calls = []
+
+    def reference(model_config, weights, batches, ref_dtype, device, *extra, is_truth=False):
+        calls.append((ref_dtype, is_truth))
+        return 2.0, {"w": torch.ones(4, dtype=torch.float64)}, {}
+
+    batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "labels": torch.ones(1, 8, dtype=torch.long)}
+    monkeypatch.setattr(verify_module, "_reference_for", lambda trainer: reference)
+    monkeypatch.setattr(verify_module, "our_step",
+                        lambda trainer, step: (2.0, {}, {}, {"w": torch.ones(4, dtype=torch.float64)}, [batch]))
+    monkeypatch.setattr(verify_module.dist, "broadcast_object_list", lambda objects, src: None)
+    monkeypatch.setattr(verify_module, "verify_folder", lambda cfg: str(tmp_path))
+    trainer = SimpleNamespace(cfg=SimpleNamespace(base=SimpleNamespace(model=None)), rank=0, start_step=0,
+                              dtype=getattr(torch, dtype), layers=[SimpleNamespace(attention=False)],
+                              adapters=None, model_config=any_tiny_config("qwen3_5_text"),
+                              device=torch.device("cpu"),
+                              describe_setup=lambda: "a stand-in trainer")
+    verify_module.run_verify(trainer)
+    truth = torch.float32 if dtype == "bfloat16" else torch.float64
+    assert calls == [(truth, True), (getattr(torch, dtype), False)]
