@@ -250,7 +250,7 @@ def test_window_pairs_grow_as_sequence_times_window():
 def test_fa4_window_counts_whole_tiles():
     """FA4 runs a window layer in whole tiles (its SM90 tiles, read off its interface): the closed form against a
     walk over every query tile, and a layer of Gemma-like heads (head_dim 256: forward tiles of 128 rows shared by
-    2 query heads a KV head, so 64 positions, by 64 keys; backward 64 x 64) at the window share and the wide-head
+    2 query heads a KV head, so 64 positions, by 64 keys; backward 64 x 48) at the window share and the wide-head
     share of the rates."""
     from ulysses_train.tools.time_model import fa4_tiles, kernel_window_pairs
 
@@ -265,7 +265,7 @@ def test_fa4_window_counts_whole_tiles():
                              (65536, 1024, 64, 64), (300, 299, 128, 80), (129, 1, 128, 128)]:
         assert kernel_window_pairs(n, w, rows, cols) == walk(n, w, rows, cols), (n, w, rows, cols)
     assert kernel_window_pairs(100, 100, 64, 64) == 100 * 100 / 2  # a window as long as the document: causal
-    assert fa4_tiles(128) == ((128, 128), (64, 128)) and fa4_tiles(256) == ((128, 64), (64, 64))
+    assert fa4_tiles(128) == ((128, 128), (64, 128)) and fa4_tiles(256) == ((128, 64), (64, 48))
     from transformers import AutoConfig
 
     g = geometry(AutoConfig.for_model("gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128,
@@ -276,7 +276,7 @@ def test_fa4_window_counts_whole_tiles():
     rates = AttentionRates(fwd=50.0, bwd=40.0, window=0.5, wide_heads=0.8)
     t = step_time(Run(g, 8192, 1, 1, Levers(keep_attention=True)), dataclasses.replace(
         ROUND, attention={"flash_attn_4": rates}))
-    width, fwd_window, bwd_window = 4 * 256, walk(8192, 1024, 64, 64), walk(8192, 1024, 64, 64)
+    width, fwd_window, bwd_window = 4 * 256, walk(8192, 1024, 64, 64), walk(8192, 1024, 64, 48)
     window = 4 * width * (fwd_window / (50e12 * 0.4) + 2.5 * bwd_window / (40e12 * 0.4))
     full = 4 * width * 8192**2 / 2 * (1 / (50e12 * 0.8) + 2.5 / (40e12 * 0.8))
     assert t["parts"]["attention"] == pytest.approx(window + full)

@@ -93,11 +93,11 @@ H200_EAGER = ElementwiseCosts(norm_fwd=13.3e-12, norm_bwd=29.5e-12, rotary_fwd=2
 # tile in the backward, against 256-512 for a causal row at 64k) with masked tiles at both ends; the share is an
 # effective rate, not yet split by a kernel profile (benchmarks/windowed_rows.sh records one).
 FA4_WINDOW_SHARE = 0.50
-# FA4 on SM90 at head_dim 256 (Gemma 2/3): its tiles shrink to 128 x 80 forward (128 x 64 local) and 64 x 64 in a
-# single-stage backward pipeline, against 128 x 128 and 64 x 128 (two stages) at 128, the head_dim its causal rates
-# are measured at. Fitted on Gemma-3-4B's two steps (65,536 and 131,072 tokens; 5 global layers of 34, whose
-# attention grows 4x between them where the rest grows 2x), FA4_WINDOW_SHARE held: 0.67 puts them at -1.6% and
-# +0.8%.
+# FA4 on SM90 at head_dim 256 (Gemma 2/3): its tiles shrink to 128 x 80 forward (128 x 64 local) and 64 x 48 in the
+# backward (its 64 KB dQ staging buffer leaves no room for wider key tiles), against 128 x 128 and 64 x 128 at 128,
+# the head_dim its causal rates are measured at. Fitted on Gemma-3-4B's two steps (65,536 and 131,072 tokens; 5
+# global layers of 34, whose attention grows 4x between them where the rest grows 2x), FA4_WINDOW_SHARE held: 0.67
+# puts them at -1.4% and +0.9%.
 FA4_WIDE_HEAD_SHARE = 0.67
 # cuDNN's SDPA on the H200 at head_dim 256 (Qwen3.5's 8 attention layers), against its rates at 128. Fitted with
 # `deltanet_elementwise` on Qwen3.5-9B's two steps with the current kernels (65,536 and 131,072 tokens, where the
@@ -265,7 +265,7 @@ def causal_pairs(n: int, span: Span) -> float:
 # share a KV head into its query rows (pack_gqa, on for GQA), so a forward tile spans rows / (heads / KV heads)
 # positions. Not fitted: read off the kernel.
 FA4_SM90_TILES = {64: ((192, 128), (128, 128)), 96: ((192, 128), (64, 128)), 128: ((128, 128), (64, 128)),
-                  192: ((128, 96), (64, 96)), 256: ((128, 64), (64, 64))}
+                  192: ((128, 96), (64, 96)), 256: ((128, 64), (64, 48))}
 
 
 def fa4_tiles(head_dim: int) -> tuple:
