@@ -238,7 +238,7 @@ def test_gemma3_like_attention_by_hand():
 
 def test_window_pairs_grow_as_sequence_times_window():
     """Past the window the pairs grow by w per token: O(s x w), where full attention grows as s^2 / 2."""
-    from ulysses_train.tools.time_model import causal_pairs
+    from ulysses_train.tools.attention_pairs import causal_pairs
 
     window = Span("window", 1024)
     assert causal_pairs(4096, window) == sum(min(t + 1, 1024) for t in range(4096))
@@ -252,7 +252,7 @@ def test_fa4_window_counts_whole_tiles():
     walk over every query tile, and a layer of Gemma-like heads (head_dim 256: forward tiles of 128 rows shared by
     2 query heads a KV head, so 64 positions, by 64 keys; backward 64 x 48) at the window share and the wide-head
     share of the rates."""
-    from ulysses_train.tools.time_model import fa4_tiles, kernel_window_pairs
+    from ulysses_train.tools.attention_pairs import fa4_tiles, kernel_window_pairs
 
     def walk(n, w, rows, cols):
         pairs = 0
