@@ -37,6 +37,76 @@ def test_an_unsupported_kind_of_model_is_refused_by_name(model_type, tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("model_type", ["bert", "mamba2", "llama"])
+def test_a_malformed_value_is_refused_in_one_line_before_transformers_validates_it(model_type, tmp_path):
+    """`rope_parameters: [0]` (a list where transformers expects a mapping): a config of a family the trainer does
+    not train is refused as that kind of model, from its model_type alone, before transformers parses the values
+    (its rope validator raised AttributeError on bert's); one the trainer trains is refused as transformers refuses
+    it, in one line naming the flag. Found by the probe suite (tests/unit/test_probes.py)."""
+    values = dict(model_type=model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=300,
+                  max_position_embeddings=256, rope_parameters=[0])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    message = (UNSUPPORTED[model_type] if model_type in UNSUPPORTED else
+               "transformers refuses the config: .*rope_parameters")
+    with pytest.raises(ConfigError, match=rf"^--model_config {path}: .*{message}") as e:
+        load_model_config(None, str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_a_validator_that_breaks_on_a_value_is_a_refusal_naming_the_flag(tmp_path, monkeypatch):
+    """transformers' validators assume the types they check later (`.get` on a rope mapping): an AttributeError
+    from them is the config's fault, refused in one line, not a traceback."""
+    from transformers import AutoConfig as Auto
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'list' object has no attribute 'get'")
+    monkeypatch.setattr(Auto, "from_pretrained", broken)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(AutoConfig.for_model("qwen3", **TINY_QWEN3).to_dict()))
+    with pytest.raises(ConfigError, match=rf"^--model_config {path}: transformers refuses the config: "
+                                          "AttributeError: 'list' object has no attribute 'get'"):
+        load_model_config(None, str(path))
+
+
+def test_a_size_nulled_through_its_alias_is_refused_by_name(tmp_path):
+    """GPT-OSS's `num_experts` is an alias of `num_local_experts` (transformers' attribute_map): null there passes
+    transformers' type check of `num_local_experts` and leaves it None, which the model would be built without
+    (the geometry failed on it with a TypeError). Refused by the name the file uses. Found by the probe suite."""
+    values = dict(model_type="gpt_oss", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=300,
+                  max_position_embeddings=256, num_experts=None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    with pytest.raises(ConfigError, match=rf"^--model_config {path}: num_experts is None; it must be a positive "
+                                          "whole number \\(the model type's default is 128\\)$"):
+        load_model_config(None, str(path))
+    values["num_experts"] = 4
+    path.write_text(json.dumps(values))
+    assert load_model_config(None, str(path)).num_local_experts == 4
+
+
+@pytest.mark.parametrize("model_type, layer_type, builders", [
+    ("gemma2", "linear_attention", "its config has no linear_num_value_heads"),
+    ("gemma2", "chunked_attention", "its config has no attention_chunk_size"),
+    ("llama", "sliding_attention", "its config has no sliding_window")])
+def test_a_layer_type_its_family_does_not_build_is_refused(model_type, layer_type, builders, tmp_path):
+    """Gemma 2 builds full attention for every layer type but a sliding one, Llama for every one: a layer listed
+    as Gated DeltaNet, chunked or sliding attention would have been planned and sharded as that (the geometry
+    failed on the missing DeltaNet sizes, the layer plan on Llama's missing window). Refused naming the layer and
+    what builds it. Found by the probe suite."""
+    values = dict(model_type=model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=300,
+                  max_position_embeddings=256, layer_types=["full_attention", layer_type])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    with pytest.raises(ConfigError) as e:
+        load_model_config(None, str(path))
+    assert str(e.value).startswith(f"--model_config {path}: model type '{model_type}': layer 1 is of type "
+                                   f"'{layer_type}', which its modeling file does not build ({builders})"), str(e.value)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_attention_heads", -8, "num_attention_heads is -8; it must be a positive whole number"),
     ("hidden_size", 0, "hidden_size is 0; it must be a positive whole number"),
@@ -46,6 +116,9 @@ def test_an_unsupported_kind_of_model_is_refused_by_name(model_type, tmp_path):
     ("rope_parameters", {"rope_type": "yarn", "factor": -4.0, "rope_theta": 1e6},
      "rope_parameters.factor is -4.0; it must be a positive finite number"),
     ("num_key_value_heads", 0, "num_key_value_heads is 0"),
+    ("pad_token_id", 512, "pad_token_id is 512, not a token of its 512-token vocabulary: give it a token id below "
+                          "512 or null"),
+    ("pad_token_id", -1, "pad_token_id is -1, not a token"),
 ])
 def test_a_size_or_rope_value_the_trainer_cannot_run_is_refused_by_field(field, value, message, tmp_path):
     values = AutoConfig.for_model("qwen3", **TINY_QWEN3).to_dict()

@@ -67,13 +67,16 @@ def test_the_models_page_table_is_the_checks_own_and_the_readme_names_every_fami
     assert not missing, f"families missing from the README's supported models: {missing}"
 
 
-def test_deltanet_layers_of_a_family_without_the_sp_mixer_are_refused_with_their_count_and_what_works():
-    """The SP mixer (sp/deltanet.py) is built for Qwen3.5 and Qwen3-Next: the same layer type elsewhere is refused."""
+def test_deltanet_layers_of_a_family_that_does_not_build_them_are_refused_at_any_size():
+    """Gated DeltaNet layers are built by Qwen3.5 and Qwen3-Next's modeling files: OLMo 3's builds full attention for
+    a layer listed as `linear_attention` (its config has none of the mixer's sizes), so such a config is refused
+    at SP=1 too, naming what it lacks; Qwen3.5's runs under SP."""
     config = any_tiny_config("olmo3")
     config.layer_types = ["linear_attention", "full_attention"]
-    message = _refused(config, sp_size=2)
-    assert "`linear_attention` layers (1 of 2, Gated DeltaNet)" in message and "--sp_size 1 works" in message
-    assert "olmo3" in message
+    for sp in (1, 2):
+        message = _refused(config, sp_size=sp)
+        assert "model type 'olmo3': layer 0 is of type 'linear_attention', which its modeling file does not build " \
+               "(its config has no linear_num_value_heads)" in message
     check_support(any_tiny_config("qwen3_5_text"), sp_size=2)
 
 

@@ -15,8 +15,10 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import ConfigError
+from ..families import FAMILIES
 from ..paths import local_or_hub, looks_like_hub_id
 from ..sp.attention import ATTN_NAME
+from ..sp.support import family_of
 from .buffers import restore_fp32_buffers
 from .config_check import check_layers, check_model_config, unknown_model_type
 
@@ -162,8 +164,9 @@ def _loaded_config(name: str, flag: str):
     local_or_hub(flag, name)
     try:
         return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
-        # no such hub id, no or unreadable config.json, an unknown model_type, a value of the wrong type
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as e:
+        # no such hub id, no or unreadable config.json, an unknown model_type, a value of the wrong type (which
+        # some of transformers' validators meet as an AttributeError: `.get` on a list given for rope_parameters)
         text = " ".join(str(e).split())
         raise ConfigError(f"--{flag} {name}: transformers refuses the config: {type(e).__name__}: "
                           f"{text[:300]}") from None
@@ -208,12 +211,27 @@ def load_model_config(model: Optional[str], model_config: Optional[str], num_lay
 
 
 def _check_model_type(model_type, source: str) -> None:
-    """A config.json's model_type, before transformers reads it: one it does not know is named with the families
-    the trainer trains (transformers' own message is a paragraph about upgrading)."""
+    """A config.json's model_type, before transformers reads its values: one transformers does not know is named
+    with the families the trainer trains (transformers' own message is a paragraph about upgrading); one the
+    trainer does not train is refused as the kind of model it is, judged on that type's defaults, so that no value
+    of a model never to be built reaches transformers' validators (which can fail on a malformed one with a
+    traceback of their own)."""
     from transformers import CONFIG_MAPPING
 
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise unknown_model_type(model_type, source)
+    if model_type in FAMILIES:
+        return
+    try:
+        defaults = CONFIG_MAPPING[model_type]()
+    except Exception:  # noqa: BLE001 - a type without defaults is judged once loaded, as before
+        return
+    if getattr(defaults, "text_config", None) is not None:
+        return  # a multimodal wrapper: its refusal names the text model the file holds, so it is judged loaded
+    try:
+        family_of(defaults)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def build_model(config, model: Optional[str], dtype: torch.dtype, log: Callable[[str], None] = lambda _: None,

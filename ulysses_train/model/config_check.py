@@ -21,6 +21,9 @@ from ..sp.support import family_of, layer_mixers
 COMMON_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings", "sliding_window")
 POSITIVE_INTS = tuple(dict.fromkeys(COMMON_SIZES + sum((r.size_keys for r in RECORDS), ())))
+# sizes that null means something for in some families: no window, the width derived from the heads, KV heads as
+# many as the query heads
+NULLABLE_SIZES = ("sliding_window", "head_dim", "num_key_value_heads")
 # rotary parameters that must be positive and finite where they are set
 POSITIVE_ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "attention_factor")
 
@@ -38,6 +41,11 @@ def check_model_config(config, source: str, raw: Optional[dict] = None) -> None:
             value = _value(view, name)
             if value is not None and not _positive_int(value):
                 raise ConfigError(f"{source}: {where}{name} is {value!r}; it must be a positive whole number")
+    nulled = _nulled_size(config)
+    if nulled is not None:
+        raise ConfigError(f"{source}: {nulled[0]} is None; it must be a positive whole number (the model type's "
+                          f"default is {nulled[1]!r})")
+    _check_padding_token(config, source)
     theta = (raw or {}).get("rope_theta")
     for where, params in _rope_parameter_sets(config, theta):
         for key in POSITIVE_ROPE:
@@ -48,6 +56,38 @@ def check_model_config(config, source: str, raw: Optional[dict] = None) -> None:
     if theta is not None and used is not None and theta != used:
         raise ConfigError(f"{source}: rope_theta {theta!r} differs from rope_parameters.rope_theta {used!r}, which "
                           f"transformers uses: give one of them")
+
+
+def _check_padding_token(config, source: str) -> None:
+    """The embedding's padding row must be one of its rows: transformers warns about a pad_token_id outside the
+    vocabulary, then torch fails to build the embedding (SmolLM3's default, 128004, with a smaller vocabulary)."""
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if pad is None or not _positive_int(vocab):
+        return
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
+        raise ConfigError(f"{source}: pad_token_id is {pad!r}, not a token of its {vocab:,}-token vocabulary: give "
+                          f"it a token id below {vocab} or null")
+
+
+def _nulled_size(config) -> Optional[tuple[str, int]]:
+    """(name, default) of a size the config sets to null (JSON's null, kept by transformers as None) where its
+    model type has a number by default: the model would be built without it. Not the sizes that null means "derive
+    it" or "none" for in some families (the window, the head width, the KV heads)."""
+    try:
+        defaults = type(config)()
+    except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare with
+        return None
+    for name in POSITIVE_INTS:
+        if name in NULLABLE_SIZES or not hasattr(config, name):
+            continue
+        try:
+            value = getattr(config, name)
+        except (AttributeError, ValueError, RuntimeError):  # differs between layers: checked per layer above
+            continue
+        default = getattr(defaults, name, None)
+        if value is None and isinstance(default, int):
+            return name, default
+    return None
 
 
 def check_layers(config, source: str, cut: Optional[int] = None) -> None:

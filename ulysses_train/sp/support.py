@@ -158,6 +158,7 @@ def layer_mixers(config) -> list[LayerMixer]:
     tuning = bool(getattr(config, "attn_temperature_tuning", False))
     mixers = []
     for index, layer_type in enumerate(_layer_types(config, family)):
+        _check_built(config, index, layer_type)
         q, kv = _per_layer_heads(config, index)
         rope = bool(no_rope[index]) if no_rope else True
         if layer_type in ("full_attention", "sliding_attention", "chunked_attention"):
@@ -171,6 +172,20 @@ def layer_mixers(config) -> list[LayerMixer]:
             raise ConfigError(f"model type {config.model_type!r}: layer {index} is of type {layer_type!r}, which the "
                               f"trainer does not know; it is never assumed to be full attention")
     return mixers
+
+
+def _check_built(config, index: int, layer_type: str) -> None:
+    """A layer type the family's modeling file builds, judged by the sizes it reads: a Gated DeltaNet mixer only
+    where the config has the mixer's sizes, chunked attention only where it has `attention_chunk_size` (Llama 4),
+    a sliding window only where it has `sliding_window`. Elsewhere transformers builds another layer than the type
+    says (full attention, in Gemma 2 and Llama), and the trainer would plan and shard the one named."""
+    needs = {"linear_attention": "linear_num_value_heads", "chunked_attention": "attention_chunk_size",
+             "sliding_attention": "sliding_window"}.get(layer_type)
+    if needs is None or hasattr(config, needs):
+        return
+    raise ConfigError(f"model type {config.model_type!r}: layer {index} is of type {layer_type!r}, which its "
+                      f"modeling file does not build (its config has no {needs}): give layer_types the family's "
+                      f"own types")
 
 
 def _count(mixers: list[LayerMixer], keep) -> str:
