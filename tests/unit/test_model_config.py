@@ -169,6 +169,18 @@ def test_the_widest_head_is_read_from_every_layer():
     assert widest_head_dim(AutoConfig.for_model(**PRESETS["tiny"])) == 16
 
 
+def test_a_size_that_differs_between_layers_is_not_taken_for_a_null():
+    """Gemma 4's per_layer_config lets a size differ by layer, and transformers then refuses to give one value for
+    it (a RuntimeError, which `hasattr` does not catch): the check for sizes set to null passes over such a size,
+    which the per-layer check covers."""
+    from ulysses_train.model.config_check import check_model_config
+
+    gemma4 = AutoConfig.for_model("gemma4_text", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  per_layer_config={"1": {"intermediate_size": 256}})
+    check_model_config(gemma4, "--model_config gemma4")
+
+
 class _Planted:
     """Unpickling this would call print: a stand-in for code planted in a pickled weights file."""
 

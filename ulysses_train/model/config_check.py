@@ -78,11 +78,11 @@ def _nulled_size(config) -> Optional[tuple[str, int]]:
     except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare with
         return None
     for name in POSITIVE_INTS:
-        if name in NULLABLE_SIZES or not hasattr(config, name):
+        if name in NULLABLE_SIZES:
             continue
         try:
-            value = getattr(config, name)
-        except (AttributeError, ValueError, RuntimeError):  # differs between layers: checked per layer above
+            value = getattr(config, name, 0)  # 0: not a key of this config
+        except (ValueError, RuntimeError):  # differs between layers: checked per layer above
             continue
         default = getattr(defaults, name, None)
         if value is None and isinstance(default, int):
