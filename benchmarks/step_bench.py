@@ -94,7 +94,7 @@ def main():
     parser.add_argument("--trace", default=None, help="with --profile_step: write the Chrome trace here")
     args = parser.parse_args(argv[:split])
 
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.process.launcher import normalise_launcher_env
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.loop import train

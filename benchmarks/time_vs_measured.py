@@ -39,7 +39,7 @@ def packed_docs(argv: list[str], data_dir: str, steps: int) -> list[tuple]:
     its config parser and data loader (data/load.py), without a model or a process group."""
     from ulysses_train.data.load import load_source
     from ulysses_train.data.sources import build_batch, global_sample_index, sample_order
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     argv = list(argv)
     i = argv.index("--dataset")

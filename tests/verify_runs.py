@@ -6,7 +6,7 @@ import os
 def verify_settings(rank, world, settings, tmp):
     """Builds a Trainer for each argv of `settings` (with `--verify`, output under `tmp`/<index>) and returns each
     one's `run_verify` result, in order."""
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.verify.verify import run_verify
 

@@ -13,7 +13,8 @@ from tests.multiprocess import run_distributed
 from tests.trainer_runs import listing_names
 from ulysses_train.errors import CheckpointError, ConfigError
 from ulysses_train.train.checkpoints import checkpoint, manifest, resume, run_folder
-from ulysses_train.train.config.train_config import OptimConfig, TrainConfig, parse_args
+from ulysses_train.train.config.config_file import parse_args
+from ulysses_train.train.config.train_config import OptimConfig, TrainConfig
 
 SHARD = os.path.join("ds", "zero_pp_rank_1_mp_rank_00_model_states.pt")
 

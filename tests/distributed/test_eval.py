@@ -30,7 +30,7 @@ def _evaluate_against_transformers(rank, world, files, settings, trained):
     `trained` run through the training loop, which evaluates every --eval_steps and after the last step."""
     import torch
 
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.evaluate import evaluate_tokens as evaluate
     from ulysses_train.train.step.loop import train
@@ -93,7 +93,7 @@ def test_eval_settings_and_data_errors_name_the_eval_flags(files, tmp_path):
     from ulysses_train.data.load import _Loader
     from ulysses_train.data.mixture import dataset_entries
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.preflight import preflight
 
     for extra in (["--eval_steps", "2"], ["--eval_samples", "3"], ["--eval_split", "test"], ["--evals_per_epoch", "2"]):

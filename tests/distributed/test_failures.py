@@ -96,7 +96,7 @@ def test_bad_settings_fail_on_every_rank(case, three_head_config, tmp_path):
 def _build_each(rank, world, runs):
     """What building the run (as cli.main does: parse_args, then Trainer) raises on this rank, for each argv."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
 
     raised = {}

@@ -14,7 +14,8 @@ import yaml
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.train.config import aliases, field_keys
-from ulysses_train.train.config.train_config import FLAGS, NOT_SETTINGS, config_from, parse_args
+from ulysses_train.train.config.config_file import NOT_SETTINGS, config_from, parse_args
+from ulysses_train.train.config.train_config import FLAGS
 
 # the keys of axolotl's examples/qwen3/*.yaml and of the settings the issue names (axolotl's schema has hundreds)
 AXOLOTL_KEYS = ("base_model", "load_in_8bit", "load_in_4bit", "strict", "chat_template", "datasets",

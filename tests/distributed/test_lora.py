@@ -30,7 +30,7 @@ LINEARS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def _trainer(argv):
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
 
     cfg, explicit = parse_args(argv)
@@ -258,7 +258,7 @@ def test_adapter_settings_a_user_can_get_wrong_are_named():
     from tests.models import tiny_config
     from ulysses_train.errors import ConfigError
     from ulysses_train.model.adapters import AdapterSpec, add_adapters, check_4bit
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     def adapters(**spec):
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))

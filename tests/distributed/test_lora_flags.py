@@ -42,7 +42,7 @@ def _settings_check(old_flags: list, new_flags: list):
     refusal's message, or None when the run may resume."""
     from ulysses_train.errors import ConfigError
     from ulysses_train.train.checkpoints.resume import compare_settings, training_settings
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     old, _ = parse_args(old_flags)
     new, _ = parse_args(new_flags + ["--resume", "auto"])
@@ -59,7 +59,7 @@ def test_resume_refuses_what_changes_the_trained_tensors_and_offers_no_override_
     """LoRA <-> full fine-tuning and the adapters' shapes: one message, with what to do instead; never a
     --resume_override suggestion (those overrides crashed in DeepSpeed's load). Alpha and dropout may change."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     lora, model = ["--use_peft"], ["--model", "/models/base"]
     cases = [
@@ -145,7 +145,7 @@ def _meta_model(family: str = "qwen3"):
 
 def _spec(**flags):
     from ulysses_train.model.adapters import AdapterSpec
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     argv = ["--use_peft"] + [a for name, value in flags.items() for a in (f"--{name}", str(value))]
     return AdapterSpec.from_config(parse_args(argv)[0].adapters)

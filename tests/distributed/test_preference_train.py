@@ -48,7 +48,7 @@ def files(tmp_path_factory):
 
 def _run(rank, world, runs, tmp):
     """Each (name, argv) in turn: training returns its metrics, --verify its result; with the reference log-probs."""
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.loop import train
     from ulysses_train.train.verify.verify import run_verify
@@ -136,7 +136,7 @@ def _reference_runs(rank, world, runs, tmp):
     """Each (name, argv) in turn: (metrics or --verify's result, reference log-probs, the policy's weights digest
     right after the trainer is built: after any --ref_model swap and its undoing), or the ConfigError's message."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.preference.reference_logps import reference_parameters, weights_digest
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.loop import train
@@ -227,7 +227,7 @@ def test_dpo_against_a_separate_reference_model(files, tmp_path):
 ])
 def test_ref_model_settings_refused(files, extra, message):
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     argv = ["--dataset", files["pairs"], "--ref_model", "some/model", "--method", "dpo"] + extra
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -250,7 +250,7 @@ def _default_runs(rank, world, runs, tmp):
     """Each (name, argv) in turn: (metrics records, the method and packing the run resolved, metrics.jsonl's
     records), or the ConfigError's message."""
     from ulysses_train.errors import ConfigError
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.loop import train
 
@@ -319,7 +319,7 @@ def test_pairs_train_dpo_packed_by_default_with_eval_and_trls_metrics(files):
 def _stopped_reference_pass(rank, world, argv, tmp):
     """The reference pass stopped after its 5th micro-batch (an injected failure on every rank), then the same run
     started again; and the same run in a fresh cache, whole. Returns what each computed and the logs."""
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
 
     def build(cache, fault=None):

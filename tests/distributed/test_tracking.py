@@ -16,8 +16,8 @@ import yaml
 from tests.trainer_runs import ROOT, TRAIN, child_env, metrics
 from tests.wandb_files import wandb_records
 from ulysses_train.errors import ConfigError
+from ulysses_train.train.config.config_file import parse_args
 from ulysses_train.train.config.flag_checks import parse_report_to
-from ulysses_train.train.config.train_config import parse_args
 
 pytest.importorskip("wandb", reason="the [track] extra: pip install -e '.[track]'")
 pytest.importorskip("mlflow", reason="the [track] extra: pip install -e '.[track]'")

@@ -29,7 +29,7 @@ def test_a_lora_checkpoint_and_its_merged_export_load_with_the_trained_logits(tm
     from ulysses_train.model.build import load_model_config
     from ulysses_train.tools.export import main as export_main
     from ulysses_train.train.api import launcher_environment
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.run.trainer import Trainer
     from ulysses_train.train.step.loop import train
 

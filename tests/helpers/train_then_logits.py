@@ -9,7 +9,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from ulysses_train.sp.sharding import shard_order, shard_sequence  # noqa: E402
-from ulysses_train.train.config.train_config import parse_args  # noqa: E402
+from ulysses_train.train.config.config_file import parse_args  # noqa: E402
 from ulysses_train.train.process.launcher import normalise_launcher_env  # noqa: E402
 from ulysses_train.train.run.trainer import Trainer  # noqa: E402
 from ulysses_train.train.step.loop import train  # noqa: E402

@@ -6,15 +6,8 @@ import yaml
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.train.config import aliases
-from ulysses_train.train.config.train_config import (
-    FLAGS,
-    GROUPS,
-    OptimConfig,
-    TrainConfig,
-    config_from,
-    parse_args,
-    write_resolved_config,
-)
+from ulysses_train.train.config.config_file import config_from, parse_args, write_resolved_config
+from ulysses_train.train.config.train_config import FLAGS, GROUPS, OptimConfig, TrainConfig
 
 TRL_STYLE = {"learning_rate": 2e-5, "max_seq_length": 4096, "per_device_train_batch_size": 2,
              "gradient_accumulation_steps": 8, "num_train_epochs": 3, "warmup_ratio": 0.03,

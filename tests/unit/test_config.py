@@ -8,10 +8,10 @@ import pytest
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.sp.dims import ParallelDims, check_heads, check_lengths, valid_sp_sizes, validate
+from ulysses_train.train.config.config_file import parse_args
 from ulysses_train.train.config.ds_config import resolve_ds_config
 from ulysses_train.train.config.ds_file import load_ds_config
 from ulysses_train.train.config.groups import REPO_ROOT
-from ulysses_train.train.config.train_config import parse_args
 from ulysses_train.train.process.launcher import expand_nodelist, normalise_launcher_env
 
 ZERO3 = os.path.join(REPO_ROOT, "ds_configs", "zero3.json")

@@ -1,6 +1,7 @@
-"""The configuration grouped by concern (train/config/groups.py, train/config/train_config.py): YAML flat or grouped,
-config.yaml grouped and read back, --help in one section per group, every bound checked and named by its flag, the
-parser's types read from the annotations, and TrainConfig built from its groups (no processes)."""
+"""The configuration grouped by concern (train/config/groups.py, train_config.py, flag_parser.py, config_file.py):
+YAML flat or grouped, config.yaml grouped and read back, --help in one section per group, every bound checked and
+named by its flag, the parser's types read from the annotations, and TrainConfig built from its groups (no
+processes)."""
 
 import argparse
 import os
@@ -11,6 +12,8 @@ import pytest
 import yaml
 
 from ulysses_train.errors import ConfigError
+from ulysses_train.train.config.config_file import config_from, parse_args, write_resolved_config
+from ulysses_train.train.config.flag_parser import build_parser
 from ulysses_train.train.config.train_config import (
     FLAGS,
     GROUPS,
@@ -18,10 +21,6 @@ from ulysses_train.train.config.train_config import (
     DataConfig,
     OptimConfig,
     TrainConfig,
-    build_parser,
-    config_from,
-    parse_args,
-    write_resolved_config,
 )
 
 FLAT = {"seq_len": 256, "packing": True, "learning_rate": 3e-4, "steps": 7, "sp_size": 2, "use_peft": True,
@@ -125,7 +124,7 @@ def test_the_parser_takes_its_types_and_choices_from_the_annotations():
         parse_args(["--seq_len", "1.5"])
     with pytest.raises(ConfigError, match="--dtype: invalid choice: 'fp16'"):
         parse_args(["--dtype", "fp16"])
-    for module in ("train_config.py", "groups.py"):
+    for module in ("train_config.py", "flag_parser.py", "config_file.py", "groups.py"):
         path = os.path.join(os.path.dirname(__file__), "..", "..", "ulysses_train", "train", "config", module)
         assert "eval(" not in open(path).read()
 

@@ -7,7 +7,7 @@ import os
 
 from ulysses_train.tools import flags_doc
 from ulysses_train.train.config.aliases import ALIASES, BY_NAME
-from ulysses_train.train.config.train_config import build_parser
+from ulysses_train.train.config.flag_parser import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 

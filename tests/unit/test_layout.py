@@ -19,7 +19,7 @@ from ulysses_train.sp import kernels
 from ulysses_train.sp.support import check_support
 from ulysses_train.tools.plan import sp_plans
 from ulysses_train.tools.plan_command import Machine, command
-from ulysses_train.train.config.train_config import parse_args
+from ulysses_train.train.config.config_file import parse_args
 from ulysses_train.train.preference.pairs import resolve_preference
 from ulysses_train.train.run.trainer import run_layout
 

@@ -403,7 +403,7 @@ def test_the_plan_prints_a_command_to_copy_and_labels_its_breakdown(tmp_path, ca
     import shlex
 
     from ulysses_train.tools.plan import LABELS
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     qwen2_28_heads_config().save_pretrained(tmp_path)  # a model folder: its config only is read
     assert main(["--model", str(tmp_path), "--seq_len", "65536", "--gpus", "8", "--sp_size", "8"]) == 0

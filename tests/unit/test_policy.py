@@ -11,9 +11,9 @@ from ulysses_train.model.build import load_model_config
 from ulysses_train.model.geometry import geometry
 from ulysses_train.sp.dims import valid_sp_sizes
 from ulysses_train.tools import plan
+from ulysses_train.train.config.config_file import parse_args
 from ulysses_train.train.config.ds_config import resolve_ds_config
 from ulysses_train.train.config.ds_file import load_ds_config
-from ulysses_train.train.config.train_config import parse_args
 from ulysses_train.train.run.trainer import run_layout, run_levers
 
 GPU_GIB, HOST_GIB = 139.7, 125.0

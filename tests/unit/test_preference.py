@@ -235,7 +235,7 @@ def test_max_length_and_truncation(files):
 
 
 def test_flags_are_checked_before_anything_runs():
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     cases = [(["--beta", "0.2"], r"--beta applies to preference training: give --method dpo, simpo or orpo"),
              (["--method", "dpo"], r"--method dpo trains on preference pairs: give --dataset"),
@@ -257,7 +257,7 @@ def test_method_and_packing_follow_from_the_data_unless_given(files):
     """A dataset of chosen/rejected columns trains DPO without --method (the line for the log says so), with TRL's
     --max_length and --max_prompt_length, and packed; a flag that says otherwise wins: --method, an SFT format flag,
     --packing false; SFT data stays SFT. TRL's truncation_mode reads as --truncation."""
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.preference.pairs import resolve_preference
 
     pairs = write_jsonl(files["folder"] / "resolve_pairs.jsonl", _string_rows())
@@ -294,7 +294,7 @@ def test_ref_model_is_checked_before_the_model_is_built(tmp_path):
     from transformers import AutoConfig
 
     from tests.models import TINY
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
     from ulysses_train.train.preference.reference_logps import check_reference_config
     from ulysses_train.train.run.preflight import preflight
 

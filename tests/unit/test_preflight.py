@@ -8,7 +8,7 @@ import pytest
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.paths import local_or_hub
-from ulysses_train.train.config.train_config import parse_args
+from ulysses_train.train.config.config_file import parse_args
 from ulysses_train.train.run.preflight import check_model, preflight
 
 

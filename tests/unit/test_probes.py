@@ -51,7 +51,7 @@ def digest(path: str) -> str:
 
 def settle(argv: list[str]):
     """What the command line does with `argv` before any process group: its message if it refuses them."""
-    from ulysses_train.train.config.train_config import parse_args
+    from ulysses_train.train.config.config_file import parse_args
 
     try:
         cfg, _ = parse_args(argv)

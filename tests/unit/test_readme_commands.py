@@ -15,7 +15,8 @@ import shlex
 import pytest
 
 from tests.trainer_runs import COMMON, ROOT, deepspeed_launcher
-from ulysses_train.train.config.train_config import TrainConfig, config_from, parse_args
+from ulysses_train.train.config.config_file import config_from, parse_args
+from ulysses_train.train.config.train_config import TrainConfig
 
 README = os.path.join(ROOT, "README.md")
 TRAINER = "launch/train.py"

@@ -22,7 +22,7 @@ from ulysses_train.data.load import load_source
 from ulysses_train.data.mixture import MixtureSource, dataset_entries
 from ulysses_train.data.sft import detect_format, sft_samples
 from ulysses_train.errors import ConfigError
-from ulysses_train.train.config.train_config import config_from
+from ulysses_train.train.config.config_file import config_from
 
 CUSTOMER = [{"speaker": "customer", "role": "customer", "content": m["content"]} if m["role"] == "user" else
             {"role": "agent" if m["role"] == "assistant" else m["role"], "content": m["content"]}

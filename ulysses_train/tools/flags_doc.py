@@ -1,5 +1,5 @@
 """`python -m ulysses_train.tools.flags_doc`: writes docs/flags.md, the reference of every flag of launch/train.py,
-from the trainer's own parser (`build_parser()` in train/config/train_config.py) and the field's names
+from the trainer's own parser (`build_parser()` in train/config/flag_parser.py) and the field's names
 (train/config/aliases.py), and docs/field-keys.md, what each key of a TRL or axolotl config means here
 (train/config/field_keys.py).
 
@@ -35,8 +35,8 @@ def _cell(text: str) -> str:
 
 def _field_of(action: argparse.Action):
     """The trainer's config field behind a flag of its parser (train/config/groups.py), or None for another parser."""
+    from ..train.config.flag_parser import flag_help
     from ..train.config.groups import FLAGS
-    from ..train.config.train_config import flag_help
 
     flag = FLAGS.get(action.dest)
     return flag.field if flag is not None and action.help == flag_help(flag.field) else None
@@ -58,7 +58,7 @@ def _default_and_help(action: argparse.Action) -> tuple[str, str]:
     (the parser keeps no defaults: argument_default=SUPPRESS), `(default: X)` at its end or "Default: X." in it."""
     field = _field_of(action)
     if field is not None:
-        from ..train.config.train_config import default_text
+        from ..train.config.flag_parser import default_text
 
         return _as_written(default_text(field)), field.metadata["help"].replace("%%", "%")
     help_text = _ALSO.sub("", action.help or "")
@@ -80,7 +80,7 @@ def _takes(action: argparse.Action) -> str:
     """What a flag takes: its choices, or its type (and, for the trainer's numbers, their bounds)."""
     field = _field_of(action)
     if field is not None and field.metadata["bounds"]:
-        from ..train.config.train_config import bounds_text
+        from ..train.config.flag_parser import bounds_text
 
         return f"{_kind(action)}, {bounds_text(field)}"
     return _kind(action)
@@ -169,7 +169,7 @@ def render_field_keys() -> str:
 def render(parser: argparse.ArgumentParser | None = None) -> str:
     """The page, for `parser` (default: the trainer's)."""
     if parser is None:
-        from ..train.config.train_config import build_parser
+        from ..train.config.flag_parser import build_parser
 
         parser = build_parser()
     head = ["# Flags", "",

@@ -1,6 +1,6 @@
 """The planner on a command: `python -m ulysses_train.plan [--gpus N ...] -- <flags of launch/train.py>`.
 
-The flags go through the trainer's own parser (train/config/train_config.py), DeepSpeed config reconciliation
+The flags go through the trainer's own parser (train/config/flag_parser.py), DeepSpeed config reconciliation
 (train/config/ds_config.py) and lever resolution (train/run/trainer.py: run_levers, the policy of levers/policy.py), for
 the planned machine, so the plan is of the run those flags start. It prints that run's memory (tools/plan.py) and step
 time (tools/time_model.py). With `--fastest` it searches, on the same GPUs (and nodes, 8 GPUs a node), the SP size,
@@ -92,9 +92,9 @@ class Plan:
 
 def command(train_argv: list[str], machine: Machine) -> Command:
     """The run of `train_argv` on `machine`, resolved by the trainer's own code."""
+    from ..train.config.config_file import parse_args
     from ..train.config.ds_config import lever_choices, resolve_ds_config
     from ..train.config.ds_file import load_ds_config
-    from ..train.config.train_config import parse_args
     from ..train.preference.pairs import resolve_preference
     from ..train.run.trainer import run_geometry, run_levers
 
@@ -232,7 +232,7 @@ def longest(train_argv: list[str], machine: Machine, constants: Constants, any_p
     take sides of half the row unless the command sets --max_length. Whether a run fits only gets harder with the
     length: double, then bisect (as tools/plan.py: longest_fit), from the shortest row that holds a pair's two sides
     of --max_length where the command sets it."""
-    from ..train.config.train_config import parse_args
+    from ..train.config.config_file import parse_args
 
     def fits_at(n: int) -> bool:
         c = command(train_argv + ["--seq_len", str(n * step)], machine)
@@ -263,7 +263,7 @@ def launch_command(gpus: int, train_flags: list[str]) -> str:
 def main(plan_args, train_argv: list[str]) -> int:
     """`plan [--longest] [--fastest] -- <train flags>`: the run's memory and time, or the fastest plans that fit;
     with --longest, at the longest --seq_len that fits."""
-    from ..train.config.train_config import parse_args
+    from ..train.config.config_file import parse_args
 
     constants = Constants.load(plan_args.constants)
     machine = Machine(plan_args.gpus, plan_args.gpu_mem_gib * GiB, plan_args.host_mem_gib * GiB,

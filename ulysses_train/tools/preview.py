@@ -189,7 +189,7 @@ def preview(cfg, num_samples: int, color: bool, write=print) -> None:
 
 
 def main(argv=None) -> int:
-    from ..train.config.train_config import parse_args
+    from ..train.config.config_file import parse_args
 
     own, rest = _parser().parse_known_args(argv)
     color = own.color == "always" or (own.color == "auto" and sys.stdout.isatty())

@@ -6,7 +6,7 @@
     result.eval_loss, result.checkpoint, result.metrics
 
 `train` runs as one process, or as one rank under any launcher (deepspeed, torchrun, accelerate, srun: every rank
-calls it). Settings are read as the command line reads them (train/config/train_config.py): every flag and its aliases,
+calls it). Settings are read as the command line reads them (train/config/config_file.py): every flag and its aliases,
 the same checks. It returns a `TrainResult` and never exits the interpreter: a setting to change raises ConfigError, a
 checkpoint that cannot be written or read CheckpointError, a non-finite loss NonFiniteError, SIGTERM or Ctrl-C
 before training `Interrupted`, anything else its own exception. When it returns or raises, the run has released
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ..errors import ConfigError
-from .config.train_config import TrainConfig, config_from
+from .config.config_file import config_from
+from .config.train_config import TrainConfig
 
 # the launcher variables a single process sets for itself (launcher.py), put back as they were after the run
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ULYSSES_TRAIN_LAUNCHER")

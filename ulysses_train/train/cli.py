@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ConfigError
 from .api import quiet_libraries, run
-from .config.train_config import parse_args
+from .config.config_file import parse_args
 from .process.faults import Interrupted, NonFiniteError, StopFlag
 from .process.launcher import exit_now, normalise_launcher_env
 from .process.report import report_once

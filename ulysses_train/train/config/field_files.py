@@ -1,6 +1,6 @@
 """A TRL or axolotl config as our settings: each key of field_keys.py's table translated, the keys whose meaning
 depends on the rest of the file resolved with it (an eval set, SFT's loss_type, axolotl's `datasets:` entries), and
-every refusal collected, so that train_config.py names all of them in one message with the unknown keys.
+every refusal collected, so that config_file.py names all of them in one message with the unknown keys.
 
     translate({"adapter": "qlora", "sample_packing": True, ...}) -> ({"use_peft": True, "load_in_4bit": True,
                                                                        "sample_packing": True, ...}, [])

@@ -14,7 +14,7 @@ Three kinds of key live here (the one-name-for-one-flag aliases are in aliases.p
 
 A key whose value is null is not set (axolotl's examples list `wandb_project:` and the like empty). Keys whose
 meaning depends on the run are read with it: TRL's `max_length` is --seq_len in SFT and a pair's longest side in
-preference training (train_config.py resolves it after parsing, for the command line too); SFT's `loss_type: nll` is the
+preference training (config_file.py resolves it after parsing, for the command line too); SFT's `loss_type: nll` is the
 next-token loss. `python -m ulysses_train.tools.flags_doc` writes docs/field-keys.md from this table.
 """
 
@@ -375,7 +375,7 @@ KEYS = (
     what_happens("eval_causal_lm_metrics", A, (None,), "evaluation reports eval_loss"),
 )
 BY_NAME = {key.name: key for key in KEYS}
-# keys whose meaning depends on others of the same file (resolved in translate / config.resolve_run_keys)
+# keys whose meaning depends on others of the same file (resolved in translate / config_file.resolve_run_keys)
 CONTEXT_KEYS = {"max_length": "SFT: `--seq_len`; preference training (--method dpo, simpo, orpo): the longest side "
                               "of a pair",
                 "loss_type": "SFT: nll (the next-token loss) is accepted; preference training: DPO's --loss_type",

@@ -2,8 +2,8 @@
 parallelism, levers, output, logging, evaluation, verification), each field a command-line flag with its type
 (`Literal[...]` for choices, built from the tuple of the module that acts on them), its bounds and its help.
 `FLAGS` reads them (types through typing.get_type_hints) for the parser, YAML files, `--help`, `config.yaml` and
-the Python API (train/config/train_config.py). Flag names are unique across the groups, and no group is named
-like a flag."""
+the Python API (train/config/flag_parser.py, train/config/config_file.py). Flag names are unique across the groups,
+and no group is named like a flag."""
 
 import dataclasses
 import difflib
@@ -35,7 +35,7 @@ def _f(default, help: str, *, default_text: str = "", gt=None, ge=None, lt=None,
     """A flag's field: its default, its help, what an unset (None) default means in words where the run decides it
     (`default_text`, e.g. "min(--seq_len, 4096)"), its bounds (checked by `check_bounds`: gt/ge/lt/le, `why` said
     after a violation) and whether it may be given several times. --help and docs/flags.md read all of it from
-    here (train_config.py's `_help`, tools/flags_doc.py). Help texts are argparse's: a % is written %%."""
+    here (flag_parser.py's `flag_help`, tools/flags_doc.py). Help texts are argparse's: a % is written %%."""
     bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
     return field(default=default, metadata={"help": help, "default_text": default_text, "bounds": bounds, "why": why,
                                             "repeated": repeated})

@@ -54,9 +54,10 @@ from ..checkpoints.resume import (
 )
 from ..checkpoints.run_folder import abandon_newer
 from ..checkpoints.run_lock import RunLock
+from ..config.config_file import write_resolved_config
 from ..config.ds_config import lever_choices, resolve_ds_config, resolved_lr
 from ..config.ds_file import load_ds_config
-from ..config.train_config import TrainConfig, verify_seq_len, write_resolved_config
+from ..config.train_config import TrainConfig, verify_seq_len
 from ..preference.pairs import PAIRS, preference_spec, resolve_preference
 from ..preference.reference_logps import check_reference_config, checkpoint_arrays, reference_logps
 from ..process.faults import StopFlag
