@@ -88,9 +88,10 @@ def process_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
-def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
+def run(cfg: TrainConfig, explicit: set[str], process_exits: bool = False) -> TrainResult:
     """The run of a parsed config (`explicit`: the settings given, not defaulted; train/config/ds_config.py reconciles
-    them with the DeepSpeed JSON)."""
+    them with the DeepSpeed JSON). `process_exits`: the process ends with the run (the command line), which then
+    leaves the default process group it created for the process's exit (run.trainer.Trainer says why)."""
     from .checkpoints.resume import NothingToDo
     from .run.trainer import Trainer
     from .step.loop import train as train_loop
@@ -101,7 +102,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> TrainResult:
     result = TrainResult(cfg)
     with launcher_environment():
         try:
-            trainer = Trainer(cfg, explicit)
+            trainer = Trainer(cfg, explicit, process_exits)
         except NothingToDo as e:  # every rank knows it; rank 0 says it
             if int(os.environ.get("RANK", 0)) == 0:
                 print(e, flush=True)

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     cfg = None
     try:
         cfg, explicit = parse_args(argv)
-        result = run(cfg, explicit)
+        result = run(cfg, explicit, process_exits=True)
         code = 1 if result.verify is not None and not result.verify["passed"] else 0
     except SystemExit as e:  # --help
         code = e.code if isinstance(e.code, int) else int(e.code is not None)

@@ -128,9 +128,13 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device:
 class Trainer:
     """Everything one rank needs to train: `groups`, `source`, `engine`, `levers`, the resolved batch sizes."""
 
-    def __init__(self, cfg: TrainConfig, explicit: set[str]):
+    def __init__(self, cfg: TrainConfig, explicit: set[str], process_exits: bool = False):
         # what the run holds in its process (process groups, signal handlers, the watchdog's thread, the output
-        # folder's lock, the engine), each released by close() in reverse order, also when building fails
+        # folder's lock, the engine), each released by close() in reverse order, also when building fails.
+        # `process_exits` (the command line): the process ends with the run, so the default process group it
+        # creates stays, and with it rank 0's rendezvous store, through which every rank's error is reported once
+        # (process/report.py) after close(); destroyed before, it took the store while rank 1 was still waiting on it
+        self.process_exits = process_exits
         self.resources = contextlib.ExitStack()
         try:
             self._build(cfg, explicit)
@@ -164,7 +168,7 @@ class Trainer:
                                    base.rope_theta, base.rope_original_max_positions)
         accel = get_accelerator()
         self.owns_process_group = _init_distributed(accel.communication_backend_name())
-        if self.owns_process_group:
+        if self.owns_process_group and not self.process_exits:
             self.resources.callback(destroy_process_groups)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if method_note:
