@@ -133,7 +133,7 @@ class Trainer:
         # folder's lock, the engine), each released by close() in reverse order, also when building fails.
         # `process_exits` (the command line): the process ends with the run, so the default process group it
         # creates stays, and with it rank 0's rendezvous store, through which every rank's error is reported once
-        # (process/report.py) after close(); destroyed before, it took the store while rank 1 was still waiting on it
+        # (process/report.py) after close(): destroying it in close() would take the store while rank 1 waits on it
         self.process_exits = process_exits
         self.resources = contextlib.ExitStack()
         try:
