@@ -1,16 +1,20 @@
 """Attention kernel benchmark on one GPU: the kernels `--attn_kernel` can pick, at Qwen3-4B's head geometry.
 
     python benchmarks/attn_bench.py --json OUT.json [--seq 65536 131072] [--heads 32 --kv_heads 8 --head_dim 128]
+        [--layout bhsd|bshd] [--kernels ...]
 
 For each sequence length and kernel it times the causal forward and forward+backward (CUDA events, median of
---reps after --warmup), as the trainer calls it (q, k, v laid out (b, h, s, d)), and reports TFLOP/s by the FLOP
-model of docs/benchmarks.md (forward 2 x T^2 x heads x head_dim, backward 2.5x that) and the peak memory above the
-inputs. Kernels:
+--reps after --warmup), on (b, h, s, d) tensors, contiguous or (`--layout bshd`) transposed views of (b, s, h, d) as
+the trainer's attention passes them, and reports TFLOP/s by the FLOP model of docs/benchmarks.md (forward
+2 x T^2 x heads x head_dim, backward 2.5x that) and the peak memory above the inputs. Kernels:
 
-* `cudnn_expand`: SDPA forced to cuDNN, k and v repeated to every query head (what `_sdpa` does today);
+* `cudnn_expand`: SDPA forced to cuDNN, k and v repeated to every query head;
 * `cudnn_gqa`: SDPA forced to cuDNN with `enable_gqa=True` (no k/v copies), if this PyTorch accepts it;
 * `sdpa_gqa`: SDPA's own dispatch with `enable_gqa=True`, whichever backend that picks;
-* `flash_attn_4`: FlashAttention-4 (`flash_attn.cute`), GQA native, if installed.
+* `flash_attn_4`: FlashAttention-4 (`flash_attn.cute`), GQA native, if installed;
+* `fa4_op`: our registered FA4 op (sp/fa4_op.py), what `--attn_kernel flash_attn_4` runs;
+* `cudnn_fa4`: cuDNN's forward (its output and log-sum-exp) with FA4's backward, a pairing no caller of one library
+  gets (both take (b, s, h, d) and a natural-log log-sum-exp).
 
 Each kernel's output and gradients are first checked against `cudnn_expand` at a short length (relative error).
 """
@@ -54,14 +58,54 @@ def flash_attn_4(q, k, v):
     return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
 
-KERNELS = {"cudnn_expand": cudnn_expand, "cudnn_gqa": cudnn_gqa, "sdpa_gqa": sdpa_gqa, "flash_attn_4": flash_attn_4}
+class _CudnnForwardFa4Backward(torch.autograd.Function):
+    """cuDNN's forward with FA4's backward (`cudnn_fa4` in the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # (b, h, s, d) as the other kernels take them; GQA native
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)[:2]
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        q, k, v, out, lse = ctx.saved_tensors
+        b, h, s, _ = q.shape
+        grads = _flash_attn_bwd(*(t.transpose(1, 2) for t in (q, k, v, out, dout.contiguous())),
+                                lse.reshape(b, h, s), softmax_scale=q.shape[-1] ** -0.5, causal=True)
+        return tuple(g.transpose(1, 2) for g in grads[:3])
+
+
+def cudnn_fa4(q, k, v):
+    return _CudnnForwardFa4Backward.apply(q, k, v)
+
+
+def fa4_op(q, k, v):
+    from ulysses_train.sp.fa4_op import fa4_attention
+
+    return fa4_attention(*(t.transpose(1, 2) for t in (q, k, v)), q.shape[-1] ** -0.5).transpose(1, 2)
+
+
+KERNELS = {"cudnn_expand": cudnn_expand, "cudnn_gqa": cudnn_gqa, "sdpa_gqa": sdpa_gqa, "flash_attn_4": flash_attn_4,
+           "fa4_op": fa4_op, "cudnn_fa4": cudnn_fa4}
+
+
+LAYOUT = "bhsd"  # --layout: how q, k, v and the upstream gradient lie in memory (every kernel takes (b, h, s, d))
+
+
+def _tensor(heads, seq, head_dim, generator=None, grad=False):
+    """(1, heads, seq, head_dim) bf16: contiguous, or a transposed view of (1, seq, heads, head_dim) under
+    `--layout bshd`, as the trainer's attention hands them over (its q, k, v come off the projections so)."""
+    shape = (1, seq, heads, head_dim) if LAYOUT == "bshd" else (1, heads, seq, head_dim)
+    t = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator, requires_grad=grad)
+    return t.transpose(1, 2) if LAYOUT == "bshd" else t
 
 
 def inputs(seq, heads, kv_heads, head_dim, grad=True):
     g = torch.Generator(device="cuda").manual_seed(0)
-    make = lambda h: torch.randn(1, h, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g,  # noqa: E731
-                                 requires_grad=grad)
-    return make(heads), make(kv_heads), make(kv_heads)
+    return tuple(_tensor(h, seq, head_dim, g, grad) for h in (heads, kv_heads, kv_heads))
 
 
 def rel_err(a, b):
@@ -74,14 +118,13 @@ def check(fn, heads, kv_heads, head_dim, seq=4096) -> dict:
     for kernel in (cudnn_expand, fn):
         q, k, v = inputs(seq, heads, kv_heads, head_dim)
         out = kernel(q, k, v)
-        out.backward(torch.ones_like(out) / out.numel() ** 0.5)
-        results.append((out, q.grad, k.grad, v.grad))
+        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / out.numel() ** 0.5)))
     return {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), results[1], results[0])}
 
 
 def bench(fn, seq, heads, kv_heads, head_dim, reps, warmup) -> dict:
     q, k, v = inputs(seq, heads, kv_heads, head_dim)
-    grad_out = torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+    grad_out = _tensor(heads, seq, head_dim)
     with torch.no_grad():
         fwd = cuda_median_seconds(lambda: fn(q, k, v), reps, warmup)
 
@@ -110,10 +153,14 @@ def main():
     p.add_argument("--kernels", nargs="+", default=list(KERNELS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                   help="bshd: q, k, v and the upstream gradient as transposed views of (b, s, h, d), the trainer's")
     a = p.parse_args()
+    global LAYOUT
+    LAYOUT = a.layout
     geometry = (a.heads, a.kv_heads, a.head_dim)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cudnn": torch.backends.cudnn.version(), "geometry": geometry, "results": {}}
+           "cudnn": torch.backends.cudnn.version(), "geometry": geometry, "layout": a.layout, "results": {}}
     for name in a.kernels:
         fn = KERNELS[name]
         try:
@@ -122,16 +169,16 @@ def main():
             out["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name:<14} unavailable: {out['results'][name]['error']}", flush=True)
             continue
+        out["results"][name] = entry
         for seq in a.seq:
             entry[str(seq)] = r = bench(fn, seq, *geometry, a.reps, a.warmup)
             print(f"{name:<14} T={seq:>8} fwd {r['fwd_s']:.3f} s ({r['fwd_tflops']:.0f} TF/s)  "
                   f"bwd {r['bwd_s']:.3f} s ({r['bwd_tflops']:.0f})  fwd+bwd {r['fwd_bwd_s']:.3f} s "
                   f"({r['fwd_bwd_tflops']:.0f})  +{r['extra_peak_gib']:.1f} GiB  "
                   f"check {entry['check_vs_cudnn_expand']}", flush=True)
-        out["results"][name] = entry
+            with open(a.json, "w") as f:  # after every measurement: a run cut short leaves what it measured
+                json.dump(out, f, indent=1)
         torch.cuda.empty_cache()
-    with open(a.json, "w") as f:
-        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,11 @@ def test_attention_kernel_choice(monkeypatch):
     # Gemma 4's global layers have heads of 512, wider than FA4 takes on SM90: auto is SDPA, an explicit FA4 refused
     assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=256) == "flash_attn_4"
     assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=512) == "sdpa"
+    # every attention layer plain causal at head_dim 256 (Qwen3.5): cuDNN is the faster kernel on Hopper; elsewhere
+    # (Blackwell) not measured, FA4 kept; an explicit choice is taken as given
+    assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=256, plain_wide=True) == "sdpa"
+    assert resolve_kernel("auto", "cuda", True, (10, 0), head_dim=256, plain_wide=True) == "flash_attn_4"
+    assert resolve_kernel("flash_attn_4", "cuda", True, (9, 0), head_dim=256, plain_wide=True) == "flash_attn_4"
     with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 takes heads of up to 256, .* heads of 512: use "
                                           "--attn_kernel sdpa"):
         resolve_kernel("flash_attn_4", "cuda", True, (9, 0), head_dim=512)
@@ -277,6 +282,37 @@ def test_validate_rejects_non_finite_and_out_of_range_floats(argv, message):
     cfg, _ = parse_args(argv)
     with pytest.raises(ConfigError, match=message):
         cfg.validate()
+
+
+def test_a_kernel_package_that_does_not_import_is_not_taken(monkeypatch, tmp_path):
+    """FA4 found but broken (its CuTe DSL libraries missing, as a partial install leaves it): `auto` runs SDPA and
+    says why, and an explicit --attn_kernel flash_attn_4 stops before the build with the import's error, where
+    both used to pass the check and fail at the first layer on every rank."""
+    import sys
+    import warnings
+
+    from ulysses_train.sp import kernels
+
+    package = tmp_path / "flash_attn"
+    (package / "cute").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "cute" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'cutlass'\")\n")
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernels._import_problem.cache_clear()
+    try:
+        assert not kernels.kernel_available("flash_attn_4")
+        assert "No module named 'cutlass'" in kernels.kernel_problem("flash_attn_4")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert kernels.resolve_kernel("auto", "cuda", True, (9, 0), head_dim=128) == "sdpa"
+        assert any("flash-attn-4 is installed but its import fails" in str(w.message) for w in caught)
+        with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 needs the flash-attn-4 package, which is "
+                                              "installed but its import fails .*cutlass.*--attn_kernel auto"):
+            kernels.resolve_kernel("flash_attn_4", "cuda", True, (9, 0), head_dim=128)
+    finally:
+        kernels._import_problem.cache_clear()
 
 
 def test_num_layers_beyond_the_models_depth_names_it():

@@ -8,8 +8,11 @@ which is decided before the model is built (support.py), and each kernel refuses
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
-from typing import Callable
+import warnings
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,33 +105,56 @@ _KERNEL_MODULES = {"sdpa": None, "flash_attn": "flash_attn.flash_attn_interface"
 
 
 def kernel_available(name: str) -> bool:
+    return kernel_problem(name) is None
+
+
+def kernel_problem(name: str) -> Optional[str]:
+    """None where the kernel's package imports here, else why not: "not installed", or the error its import raises
+    (a package found but broken, such as FA4 without its CuTe DSL libraries: `auto` then runs SDPA rather than fail
+    at the first layer)."""
     module = _KERNEL_MODULES[name]
-    if module is None:
-        return True
+    return None if module is None else _import_problem(module)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_problem(module: str) -> Optional[str]:
     try:
-        return importlib.util.find_spec(module) is not None
+        if importlib.util.find_spec(module) is None:
+            return "not installed"
     except ModuleNotFoundError:
-        return False
+        return "not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # any failure to import means the kernel cannot run here
+        return f"installed but its import fails ({type(e).__name__}: {e})"
+    return None
 
 
 FLASH_MAX_HEAD_DIM = 256  # FA2's and FA4's (on SM90) widest head; Gemma 4's global layers have 512
 
 
 def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
-                   capability: tuple[int, int] = (0, 0), head_dim: int = 0, assume_installed: bool = False) -> str:
+                   capability: tuple[int, int] = (0, 0), head_dim: int = 0, assume_installed: bool = False,
+                   plain_wide: bool = False) -> str:
     """`auto` is FlashAttention-4 where it runs (installed, a CUDA GPU of compute capability 9.0 or later, bf16 or
     fp16), else SDPA (cuDNN on Hopper): FA4 gives the faster step in the trainer and the faster kernel alone
     (docs/benchmarks.md, "Attention kernels"), and where every attention layer's heads (`head_dim`, the widest)
-    fit it. FA4 goes through our registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that
-    is not installed, or cannot run here, is an error naming the flag. `assume_installed`: the packages are taken as
-    installed (a planned machine, not this one)."""
+    fit it. Not where every attention layer is plain causal attention at head_dim 256 (`plain_wide`: no window,
+    chunk, sinks or softcap; Qwen3.5, Qwen3-Next) on Hopper: there cuDNN's backward outruns FA4's by more than FA4's
+    forward outruns cuDNN's (0.29 s against 0.33 s a layer at 64k on one H100: docs/benchmarks.md, "At head_dim
+    256"), and FA4's window, sink and softcap kernels, which SDPA lacks, are not needed. FA4 goes through our
+    registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
+    cannot run here, is an error naming the flag. `assume_installed`: the packages are taken as installed (a planned
+    machine, not this one)."""
     def installed(kernel: str) -> bool:
         return assume_installed or kernel_available(kernel)
 
     if name == "auto":
-        fa4_runs = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
-                    and head_dim <= FLASH_MAX_HEAD_DIM and installed("flash_attn_4"))
-        return "flash_attn_4" if fa4_runs else "sdpa"
+        fa4_fits = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
+                    and head_dim <= FLASH_MAX_HEAD_DIM and not (plain_wide and tuple(capability) == (9, 0)))
+        if fa4_fits and not assume_installed and kernel_problem("flash_attn_4") not in (None, "not installed"):
+            warnings.warn(f"--attn_kernel auto runs SDPA: flash-attn-4 is {kernel_problem('flash_attn_4')}")
+        return "flash_attn_4" if fa4_fits and installed("flash_attn_4") else "sdpa"
     if name in ("flash_attn", "flash_attn_4") and head_dim > FLASH_MAX_HEAD_DIM:
         raise ConfigError(f"--attn_kernel {name} takes heads of up to {FLASH_MAX_HEAD_DIM}, and this model has "
                           f"attention heads of {head_dim}: use --attn_kernel sdpa (or auto)")
@@ -136,7 +162,7 @@ def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
         raise ConfigError(f"--attn_kernel {name}: choose one of auto, {', '.join(KERNELS)}")
     if not installed(name):
         pkg = {"flash_attn": "flash-attn", "flash_attn_4": "flash-attn-4"}[name]
-        raise ConfigError(f"--attn_kernel {name} needs the {pkg} package, which is not installed: "
+        raise ConfigError(f"--attn_kernel {name} needs the {pkg} package, which is {kernel_problem(name)}: "
                           f"pip install {pkg}, or use --attn_kernel auto")
     if device_type != "cuda" and name != "sdpa":
         raise ConfigError(f"--attn_kernel {name} runs on CUDA GPUs only: use --attn_kernel sdpa on {device_type}")
