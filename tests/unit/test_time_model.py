@@ -9,7 +9,8 @@ import pytest
 from tests.models import qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, LeverRequest, Levers, resolve_levers
 from ulysses_train.model.geometry import Span, geometry
-from ulysses_train.tools.time_model import AttentionRates, Constants, ElementwiseCosts, Run, step_time
+from ulysses_train.tools.machine_constants import AttentionRates, Constants, ElementwiseCosts
+from ulysses_train.tools.time_model import Run, step_time
 
 ONES = ElementwiseCosts(*(1e-12,) * 6)
 ROUND = Constants(matmul_tflops=100.0, attention={"flash_attn_4": AttentionRates(fwd=50.0, bwd=40.0)},
