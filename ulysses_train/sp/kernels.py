@@ -152,9 +152,14 @@ def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
     if name == "auto":
         fa4_fits = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
                     and head_dim <= FLASH_MAX_HEAD_DIM and not (plain_wide and tuple(capability) == (9, 0)))
-        if fa4_fits and not assume_installed and kernel_problem("flash_attn_4") not in (None, "not installed"):
-            warnings.warn(f"--attn_kernel auto runs SDPA: flash-attn-4 is {kernel_problem('flash_attn_4')}")
-        return "flash_attn_4" if fa4_fits and installed("flash_attn_4") else "sdpa"
+        if not fa4_fits:
+            return "sdpa"
+        if installed("flash_attn_4"):
+            return "flash_attn_4"
+        problem = kernel_problem("flash_attn_4")
+        if problem != "not installed":
+            warnings.warn(f"--attn_kernel auto runs SDPA: flash-attn-4 is {problem}")
+        return "sdpa"
     if name in ("flash_attn", "flash_attn_4") and head_dim > FLASH_MAX_HEAD_DIM:
         raise ConfigError(f"--attn_kernel {name} takes heads of up to {FLASH_MAX_HEAD_DIM}, and this model has "
                           f"attention heads of {head_dim}: use --attn_kernel sdpa (or auto)")
