@@ -28,7 +28,8 @@ from ...data.sources import SyntheticSource, build_batch, global_sample_index, s
 from ...errors import ConfigError
 from ...levers.loss import CausalLMWithSPLoss, sp_backward_scale
 from ...levers.master_weights import share_master_weights
-from ...levers.memory import fits_on
+from ...levers.memory import estimate
+from ...levers.memory import fits as memory_fits
 from ...levers.offload import HostOffload
 from ...levers.policy import DeviceInfo, Levers, resolve_levers
 from ...levers.preference_loss import PreferenceLMWithSPLoss
@@ -67,6 +68,7 @@ from ..process.watchdog import Watchdog
 from ..step.loop import TOKENS
 from ..step.schedule import lr_factor, warmup_steps
 from ..step.tracking import start_trackers
+from .memory_check import memory_warning, run_flags
 from .preflight import preflight
 
 
@@ -108,6 +110,15 @@ def run_layout(cfg: TrainConfig, model_config, world: int, device_type: str, cap
     return resolve_layout(cfg.layout_flags(), model_config, Target(world, local, device_type, tuple(capability)))
 
 
+def run_estimate(cfg: TrainConfig, model_config, ds: dict, layout: Layout, g: Optional[dict] = None):
+    """The planner's memory estimate (levers/memory.py) of this run with given levers: a function of the levers."""
+    micro = ds["train_micro_batch_size_per_gpu"]
+    g, zero_stage = g or run_geometry(cfg, model_config), lever_choices(ds).get("zero_stage", 3)
+    run = dict(zero_stage=zero_stage, act_bytes=2 if layout.bf16 else 4, loss_chunk=cfg.levers.loss_chunk_size,
+               tile_tokens=cfg.levers.mlp_tile_tokens, ring=layout.ring_size, pairs=cfg.pref.method != "sft")
+    return lambda levers: estimate(g, micro * cfg.data.seq_len, layout.world_size, layout.sp_size, levers, **run)
+
+
 def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device: DeviceInfo,
                g: Optional[dict] = None) -> Levers:
     """The policy's levers for this run, chosen for --seq_len (what the planner computes for the same flags); `g`:
@@ -118,10 +129,11 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device:
     act_bytes = 2 if layout.bf16 else 4  # bf16 or fp32 activations
     # the planner's memory estimate: how many layers `--checkpoint_layers auto` checkpoints, and whether
     # `--attn_recompute auto` can keep the attention outputs
-    fits = fits_on(g, cfg.data.seq_len, layout.world_size, layout.sp_size, device.memory_bytes,
-                   device.host_memory_bytes, choices.get("zero_stage", 3), micro, act_bytes,
-                   loss_chunk=cfg.levers.loss_chunk_size, tile_tokens=cfg.levers.mlp_tile_tokens,
-                   ring=layout.ring_size, pairs=cfg.pref.method != "sft")
+    estimate_of = run_estimate(cfg, model_config, ds, layout, g)
+
+    def fits(levers: Levers, share: float = 0.95, host: bool = True, host_share: float = 1.0) -> bool:
+        return memory_fits(estimate_of(levers), device.memory_bytes, device.host_memory_bytes, share, host,
+                           host_share)
     return resolve_levers(cfg.lever_request(), g, local_tokens, act_bytes, device, choices, fits)
 
 
@@ -308,14 +320,18 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.data.seed)
         spec = self.adapter_spec
+        request = cfg.lever_request()
+        device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        levers = run_levers(cfg, self.model_config, self.ds, self.layout, device, self.geometry)
+        warning = memory_warning(run_estimate(cfg, self.model_config, self.ds, self.layout, self.geometry), levers,
+                                 device, run_flags())
+        if warning:  # before the model: the build of a run this large takes minutes
+            self.warn(warning)
         model = build_model(self.model_config, cfg.base.model, self.dtype, log=self.log,
                             quantization=quantization_config(self.dtype) if spec and spec.load_in_4bit else None)
         # from_pretrained returns the model in eval mode, where transformers' layers skip their checkpointing (and
         # dropout): a --model run trained with every activation kept, the --model_config one did not
         model.train()
-        request = cfg.lever_request()
-        device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        levers = run_levers(cfg, self.model_config, self.ds, self.layout, device, self.geometry)
         # the adapters go in before the surgery, which then finds (and calls) PEFT's layers where the linears were
         self.adapters = add_adapters(model, spec, input_grads=levers.checkpointing) if spec else None
         if self.adapters:
