@@ -297,6 +297,32 @@ def test_fa4_outputs_are_kept_and_offloaded_on_gpu():
         assert _rel(grad, results[False][1][name]) < 1e-2, name
 
 
+def test_fa4_op_at_head_dim_256_matches_fp64_with_the_faster_backward(monkeypatch):
+    """Our FA4 op at Qwen3.5's attention heads (16 query, 4 KV, head_dim 256), bf16, 4k tokens: the output and every
+    gradient within bf16 noise of an fp64 reference. On Hopper the backward is cuDNN's from FA4's forward outputs
+    (sp/fa4_op.py, `cudnn_backward_is_faster`), so this is where that pairing is checked: a log-sum-exp read in the
+    wrong base or layout is off by order one."""
+    from ulysses_train.sp import fa4_op
+    from ulysses_train.sp.kernels import KERNELS, kernel_available
+
+    if not kernel_available("flash_attn_4"):
+        pytest.skip("flash_attn_4 not installed")
+    calls, cudnn = [], fa4_op._cudnn_backward
+    monkeypatch.setattr(fa4_op, "_cudnn_backward", lambda *args: calls.append(1) or cudnn(*args))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, S, 256, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for h in (16, 4, 4))
+    dout = torch.randn(1, S, 16, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = KERNELS["flash_attn_4"](q, k, v, 256 ** -0.5)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = causal_attention(*leaves)
+    want = (ref, *torch.autograd.grad(ref, leaves, dout.double()))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert _rel(a, b) < 1e-2, name
+    assert len(calls) == int(torch.cuda.get_device_capability() == (9, 0))
+
+
 def test_fa4_varlen_equals_sdpa_per_document_on_gpu():
     """Packed documents through FA4's varlen kernel (one call) against cuDNN/SDPA run document by document, bf16:
     outputs and gradients within bf16 noise, on two rows packed differently with GQA."""

@@ -236,11 +236,6 @@ def test_attention_kernel_choice(monkeypatch):
     # Gemma 4's global layers have heads of 512, wider than FA4 takes on SM90: auto is SDPA, an explicit FA4 refused
     assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=256) == "flash_attn_4"
     assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=512) == "sdpa"
-    # every attention layer plain causal at head_dim 256 (Qwen3.5): cuDNN is the faster kernel on Hopper; elsewhere
-    # (Blackwell) not measured, FA4 kept; an explicit choice is taken as given
-    assert resolve_kernel("auto", "cuda", True, (9, 0), head_dim=256, plain=True) == "sdpa"
-    assert resolve_kernel("auto", "cuda", True, (10, 0), head_dim=256, plain=True) == "flash_attn_4"
-    assert resolve_kernel("flash_attn_4", "cuda", True, (9, 0), head_dim=256, plain=True) == "flash_attn_4"
     with pytest.raises(ConfigError, match="--attn_kernel flash_attn_4 takes heads of up to 256, .* heads of 512: use "
                                           "--attn_kernel sdpa"):
         resolve_kernel("flash_attn_4", "cuda", True, (9, 0), head_dim=512)

@@ -317,3 +317,20 @@ def test_fa4_reference_matches_sdpa():
     torch.testing.assert_close(out, ref)
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("case, faster", [
+    (dict(), True),  # Qwen3.5's attention layers (and Gemma 3's global ones) on an H100 or H200
+    (dict(head_dim=128, head_dim_v=128), False),  # FA4's own backward is the faster one at 128
+    (dict(window_left=1023), False),  # a window: FA4 skips the blocks outside it, cuDNN's SDPA does not
+    (dict(softcap=50.0), False),
+    (dict(has_sink=True), False),
+    (dict(causal=False), False),  # a ring's off-diagonal block: not measured
+    (dict(capability=(10, 0)), False),  # Blackwell: FA4 has a head_dim-256 backward kernel of its own
+])
+def test_the_fa4_op_takes_cudnns_backward_only_where_it_is_faster(case, faster):
+    from ulysses_train.sp.fa4_op import cudnn_backward_is_faster
+
+    args = dict(head_dim=256, head_dim_v=256, causal=True, window_left=-1, softcap=0.0, has_sink=False,
+                capability=(9, 0))
+    assert cudnn_backward_is_faster(**{**args, **case}) is faster

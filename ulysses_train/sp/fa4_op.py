@@ -5,7 +5,9 @@ kernels are not ops the dispatcher sees, so selective checkpointing cannot keep 
 layer runs the attention forward twice (`--attn_recompute never` had to fall back to recomputing). As a
 registered op with an autograd formula, `fa4_fwd` is one op to the checkpoint's policy, which keeps its (out, lse)
 like SDPA's, and to the offload, which moves them to the host. Its speed against cuDNN's: docs/benchmarks.md
-("Attention kernels", benchmarks/attn_bench.py).
+("Attention kernels", benchmarks/attn_bench.py). Where cuDNN's backward is the faster one (plain causal attention at
+head_dim 256 on Hopper: `cudnn_backward_is_faster`), `fa4_bwd` runs it from FA4's forward outputs, a pairing no
+caller of either library alone gets.
 
 Layout (b, s, h, d) for q, k, v and out, lse (b, h, s) fp32; GQA native (k, v with fewer heads); causal.
 Packed documents go through `ulysses::fa4_varlen_fwd` / `fa4_varlen_bwd`: q, k, v, out (total, h, d), lse (h, total),
@@ -44,8 +46,33 @@ def _fa4_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = T
     return out, lse
 
 
+def cudnn_backward_is_faster(head_dim: int, head_dim_v: int, causal: bool, window_left: int, softcap: float,
+                             has_sink: bool, capability: tuple[int, int]) -> bool:
+    """Whether cuDNN's attention backward runs this call faster than FA4's: plain causal attention at head_dim 256
+    on Hopper (compute capability 9.0). There FA4's backward runs 64 x 48 tiles (its interface's SM90 tile table),
+    315 TFLOP/s against cuDNN's 372-381 at 65,536 tokens on one H100 with Qwen3.5's 16 query and 4 KV heads, while
+    FA4's forward is the faster one (738 against 643): benchmarks/attn_bench.py, docs/benchmarks.md ("Attention
+    kernels"). Windows, softcaps and sinks stay FA4's: cuDNN's SDPA skips no blocks for a window and has neither."""
+    return (causal and window_left < 0 and not softcap and not has_sink and head_dim == head_dim_v == 256
+            and tuple(capability) == (9, 0))
+
+
+def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple:
+    """cuDNN's causal attention backward (PyTorch's op) from FA4's forward outputs: both keep the natural-log
+    log-sum-exp of the scaled scores per query row, so FA4's (b, h, s) lse is cuDNN's (b, h, s, 1) statistics.
+    (b, s, h, d) tensors go in as (b, h, s, d) views; GQA native (k, v with fewer heads)."""
+    unused = torch.zeros(1, dtype=torch.int64, device=q.device)  # dropout's philox seed and offset: p = 0
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.unsqueeze(-1), unused, unused, None, None, None,
+        q.shape[1], k.shape[1], 0.0, True, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), q.new_empty(0)
+
+
 def _fa4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                   causal: bool = True, window_left: int = -1, softcap: float = 0.0, sink=None) -> tuple:
+    if cudnn_backward_is_faster(q.shape[-1], v.shape[-1], causal, window_left, softcap, sink is not None,
+                                torch.cuda.get_device_capability(q.device)):
+        return _cudnn_backward(dout, q, k, v, out, lse, scale)
     from flash_attn.cute.interface import _flash_attn_bwd
 
     grads = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, softcap=softcap,

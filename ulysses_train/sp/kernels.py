@@ -134,25 +134,21 @@ FLASH_MAX_HEAD_DIM = 256  # FA2's and FA4's (on SM90) widest head; Gemma 4's glo
 
 
 def resolve_kernel(name: str, device_type: str, half_precision: bool = True,
-                   capability: tuple[int, int] = (0, 0), head_dim: int = 0, assume_installed: bool = False,
-                   plain: bool = False) -> str:
+                   capability: tuple[int, int] = (0, 0), head_dim: int = 0, assume_installed: bool = False) -> str:
     """`auto` is FlashAttention-4 where it runs (installed, a CUDA GPU of compute capability 9.0 or later, bf16 or
     fp16), else SDPA (cuDNN on Hopper): FA4 gives the faster step in the trainer and the faster kernel alone
     (docs/benchmarks.md, "Attention kernels"), and where every attention layer's heads (`head_dim`, the widest)
-    fit it. Not where every attention layer is plain causal attention (`plain`: no window, chunk, sinks or
-    softcap) at head_dim 256 (Qwen3.5, Qwen3-Next) on Hopper: there cuDNN's backward outruns FA4's by more than FA4's
-    forward outruns cuDNN's (0.29 s against 0.33 s a layer at 64k on one H100: docs/benchmarks.md, "At head_dim
-    256"), and FA4's window, sink and softcap kernels, which SDPA lacks, are not needed. FA4 goes through our
-    registered op (fa4_op.py), so its outputs are kept like SDPA's. An explicit choice that is not installed, or
-    cannot run here, is an error naming the flag. `assume_installed`: the packages are taken as installed (a planned
-    machine, not this one)."""
+    fit it. At head_dim 256 on Hopper (Qwen3.5, Qwen3-Next, Gemma 3's global layers) FA4's backward is the slower
+    one; our FA4 op runs cuDNN's backward from FA4's forward there (fa4_op.py: cudnn_backward_is_faster), so FA4 is
+    the faster choice at every head size it takes. FA4 goes through our registered op, so its outputs are kept like
+    SDPA's. An explicit choice that is not installed, or cannot run here, is an error naming the flag.
+    `assume_installed`: the packages are taken as installed (a planned machine, not this one)."""
     def installed(kernel: str) -> bool:
         return assume_installed or kernel_available(kernel)
 
     if name == "auto":
-        cudnn_faster = plain and head_dim == 256 and tuple(capability) == (9, 0)
         fa4_fits = (device_type == "cuda" and half_precision and tuple(capability) >= (9, 0)
-                    and head_dim <= FLASH_MAX_HEAD_DIM and not cudnn_faster)
+                    and head_dim <= FLASH_MAX_HEAD_DIM)
         if not fa4_fits:
             return "sdpa"
         if installed("flash_attn_4"):

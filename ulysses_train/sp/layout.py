@@ -42,13 +42,6 @@ def widest_head_dim(config) -> int:
                + [getattr(config, "global_head_dim", None) or 0])
 
 
-def plain_attention(config) -> bool:
-    """Whether every attention layer is plain causal attention (no window, chunk, sinks or softcap), for the kernel
-    choice (sp/kernels.py: resolve_kernel)."""
-    attending = [m for m in layer_mixers(config) if m.attention]
-    return bool(attending) and not any(m.window or m.chunk or m.sinks or m.softcap for m in attending)
-
-
 @dataclass(frozen=True)
 class LayoutFlags:
     """The flags a layout is resolved from, as typed (nothing resolved yet)."""
@@ -137,7 +130,7 @@ def resolve_layout(flags: LayoutFlags, config, target: Target) -> Layout:
     parallel = dims.validate(target.world_size, sp_size, *heads, flags.lengths, flags.pad_to_sp, ring_size)
     bf16 = flags.dtype == "bf16" or (flags.dtype == "auto" and target.device_type == "cuda")
     kernel = kernels.resolve_kernel(flags.attn_kernel, target.device_type, bf16, target.capability,
-                                    widest_head_dim(config), target.kernels_installed, plain_attention(config))
+                                    widest_head_dim(config), target.kernels_installed)
     packing = flags.packing or flags.pairs
     layers = check_support(config, sp_size, ring_size, kernel, target.device_type, packing)
     return Layout(target.world_size, sp_size, ring_size, parallel.ulysses_size, parallel.dp_size, kernel, bf16,

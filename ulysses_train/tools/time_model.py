@@ -42,10 +42,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from ..families import FAMILIES
 from ..levers.memory import NF4_BYTES
 from ..levers.placement import LayerPlace, layer_places
 from ..levers.policy import Levers, kept_output_bytes
 from ..model.geometry import LayerShape, Span
+from ..sp.fa4_op import cudnn_backward_is_faster
 from ..sp.gated_delta_op import CHUNK as FLA_CHUNK  # the chunk of FLA's gated delta rule
 from .attention_pairs import causal_pairs, chunk_pieces, fa4_tiles, kernel_window_pairs
 from .machine_constants import KERNELS, Constants
@@ -171,8 +173,22 @@ def _mixer_seconds(run: Run, c: Constants, shape: LayerShape) -> tuple[float, fl
     rates = c.attention[run.kernel]
     share = (rates.window if shape.span.kind == "window" else 1.0) * (rates.wide_heads if shape.head_dim > 128
                                                                       else 1.0)
+    back, back_share = rates, share
+    cudnn = c.attention.get("sdpa")
+    if run.kernel == "flash_attn_4" and cudnn is not None and _cudnn_backward(run, shape):  # our op runs cuDNN's
+        back, back_share = cudnn, cudnn.wide_heads if shape.head_dim > 128 else 1.0
     fwd, bwd = _attention_flops(run, shape), _attention_flops(run, shape, backward=True)
-    return fwd / (rates.fwd * share * 1e12), 2.5 * bwd / (rates.bwd * share * 1e12)
+    return fwd / (rates.fwd * share * 1e12), 2.5 * bwd / (back.bwd * back_share * 1e12)
+
+
+def _cudnn_backward(run: Run, shape: LayerShape) -> bool:
+    """Whether our FA4 op hands this layer's backward to cuDNN (sp/fa4_op.py), on the Hopper GPUs the constants
+    describe: full causal attention at head_dim 256 without a softcap or sinks."""
+    family = FAMILIES.get(run.g["model_type"])
+    softcap = family is not None and family.attention_softcap
+    sinks = family is not None and family.sinks
+    return cudnn_backward_is_faster(shape.head_dim, shape.head_dim, shape.span.kind == "full", -1,
+                                    1.0 if softcap else 0.0, sinks, (9, 0))
 
 
 def _pass(run: Run, c: Constants, shape: LayerShape) -> _Pass:

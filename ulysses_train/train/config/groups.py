@@ -261,8 +261,9 @@ class LeverConfig(Settings):
     attn_kernel: Literal[ATTN_KERNELS] = _f("auto", "Local attention kernel run inside the Ulysses all-to-all. auto: "
                                             "flash_attn_4 where it runs (package flash-attn-4 installed and "
                                             "importing, compute capability 9.0+, bf16/fp16), else sdpa (cuDNN on "
-                                            "Hopper); sdpa also where every attention layer is plain causal at "
-                                            "head_dim 256 on Hopper (Qwen3.5, Qwen3-Next), the faster there.")
+                                            "Hopper). At head_dim 256 on Hopper flash_attn_4 runs cuDNN's "
+                                            "backward from FA4's forward (plain causal layers), the faster each "
+                                            "way.")
     linear_kernel: Literal[LINEAR_KERNELS] = _f("auto", "Kernel of the Gated DeltaNet layers' recurrence (Qwen3.5, "
                                                 "Qwen3-Next). fla: flash-linear-attention's (CUDA; pip install -e "
                                                 "\".[fla]\"; on Hopper with Triton < 3.7.1 it needs tilelang too). "
