@@ -68,3 +68,22 @@ def test_no_warning_off_cuda():
 def test_run_flags_leave_the_launchers_local_rank_out():
     assert run_flags(["--local_rank=0", "--seq_len", "4096", "--dataset", "a b.jsonl"]) == \
         "--seq_len 4096 --dataset 'a b.jsonl'"
+
+
+def test_cuda_out_of_memory_ends_with_what_to_change(capsys):
+    """An out-of-memory error that escapes the run (the command line's report of an unexpected error) is followed,
+    on rank 0, by the planner command on the run's flags and the flags that lower the peak; other errors are not."""
+    import torch
+
+    from ulysses_train.train import cli
+
+    for error, hinted in ((torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB"), True),
+                          (RuntimeError("something else"), False)):
+        try:
+            raise error
+        except Exception as e:  # noqa: BLE001 - the report reads the exception being handled
+            cli._report_unexpected(e, 0, None)
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: rank 0 failed: {type(error).__name__}")
+        assert ("hint: `python -m ulysses_train.plan --gpus N -- " in err) is hinted
+        assert ("--ds_config ds_configs/zero3_offload.json" in err) is hinted

@@ -8,6 +8,7 @@
     3  anything else: a non-finite loss, a checkpoint that could not be written or is damaged, a frozen rank, an
        unexpected error
        (named with its rank; the traceback goes to <output_dir>/errors/rank_N.txt, and to the terminal with --debug)
+       (CUDA out of memory: followed by a hint, the planner command on the run's flags and what lowers the peak)
   130  Ctrl-C before training started, or a second Ctrl-C
 
 A rank that fails only because a peer stopped talking to it stays quiet: the peer that failed first has said why,
@@ -24,6 +25,7 @@ import re
 import sys
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, ConfigError
@@ -32,6 +34,7 @@ from .config.config_file import parse_args
 from .process.faults import Interrupted, NonFiniteError, StopFlag
 from .process.launcher import exit_now, normalise_launcher_env
 from .process.report import report_once
+from .run.memory_check import run_flags
 
 # what a collective raises when another rank died or left first: the other rank's own message says why
 PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
@@ -81,6 +84,17 @@ def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     detail = text if debug else (f"(traceback in {where}; --debug prints it)" if where else f"\n{text}")
     print(f"error: rank {rank} failed: {type(error).__name__}: {first} {detail}", file=sys.stderr, flush=True)
+    if isinstance(error, torch.OutOfMemoryError) and rank == 0:
+        print(out_of_memory_hint(), file=sys.stderr, flush=True)
+
+
+def out_of_memory_hint(argv=None) -> str:
+    """What to change after CUDA ran out of memory: the planner on this run's flags (what it estimates and which
+    levers fit), and the flags that lower the peak."""
+    return ("hint: `python -m ulysses_train.plan --gpus N -- " + run_flags(argv) + "` estimates this run's memory "
+            "and the levers and GPU count that fit it; what lowers the peak: --offload_activations, "
+            "--checkpoint_layers all, --tiled_mlp on, a shorter --seq_len, more GPUs (--sp_size), or the optimizer "
+            "states in host memory (--ds_config ds_configs/zero3_offload.json)")
 
 
 def main(argv=None) -> int:
