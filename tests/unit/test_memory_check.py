@@ -7,7 +7,7 @@ from ulysses_train.model.build import load_model_config
 from ulysses_train.train.config.config_file import parse_args
 from ulysses_train.train.config.ds_config import resolve_ds_config
 from ulysses_train.train.config.ds_file import load_ds_config
-from ulysses_train.train.run.memory_check import memory_warning, run_flags
+from ulysses_train.train.run.memory_check import explicit_flags, memory_warning, run_flags
 from ulysses_train.train.run.trainer import run_estimate, run_layout, run_levers
 
 H100_GIB, H200_GIB, HOST_GIB = 79.2, 139.7, 125.0
@@ -23,7 +23,7 @@ def _warning(argv: list[str], gpu_gib: float, host_gib: float = HOST_GIB):
     device = DeviceInfo.gpu(gpu_gib, host_gib, local_ranks=1)
     layout = run_layout(cfg, config, 1, "cuda", (9, 0), local_ranks=lambda: 1)
     levers = run_levers(cfg, config, ds, layout, device)
-    return memory_warning(run_estimate(cfg, config, ds, layout), levers, device, run_flags(argv))
+    return memory_warning(run_estimate(cfg, config, ds, layout), levers, device, explicit_flags(cfg, explicit))
 
 
 def test_a_run_over_the_gpu_warns_with_what_fits():
@@ -36,7 +36,8 @@ def test_a_run_over_the_gpu_warns_with_what_fits():
     assert "83.0 GiB per GPU of this GPU's 79.2" in warning and "model states, 67.5 GiB" in warning
     assert "zero3_offload.json" not in warning
     assert "--offload_activations (" not in warning  # already on
-    assert "python -m ulysses_train.plan --gpus N -- --model_config qwen3.5-9b --seq_len 65536" in warning
+    assert ("python -m ulysses_train.plan --gpus N -- --model_config qwen3.5-9b --seq_len 65536 --ds_config "
+            "ds_configs/zero3_bf16_states.json --offload_activations`") in warning
     roomy = _warning(QWEN35_64K, H100_GIB, host_gib=256.0)
     assert "--ds_config ds_configs/zero3_offload.json (optimizer states in host memory: 33.0 GiB per GPU" in roomy
     assert _warning(QWEN35_64K, H200_GIB) is None
@@ -87,3 +88,16 @@ def test_cuda_out_of_memory_ends_with_what_to_change(capsys):
         assert err.startswith(f"error: rank 0 failed: {type(error).__name__}")
         assert ("hint: `python -m ulysses_train.plan --gpus N -- " in err) is hinted
         assert ("--ds_config ds_configs/zero3_offload.json" in err) is hinted
+
+
+def test_explicit_flags_repeat_what_was_given_from_any_source():
+    """The trainer's own flags for the planner command: only those given (not the defaults), as typed on a command
+    line, whether they came from argv or the Python API (sys.argv is then the host program's)."""
+    from ulysses_train.train.config.train_config import TrainConfig
+
+    cfg, explicit = parse_args(["--model_config", "qwen3-4b", "--seq_len", "4096", "--offload_activations",
+                                "--save_final", "false", "--dataset", "my data.jsonl"])
+    assert explicit_flags(cfg, explicit) == ("--model_config qwen3-4b --dataset 'my data.jsonl' --seq_len 4096 "
+                                             "--offload_activations --save_final false")
+    api = TrainConfig.from_flags({"model_config": "qwen3-4b", "seq_len": 8192})
+    assert explicit_flags(api, {"model_config", "seq_len"}) == "--model_config qwen3-4b --seq_len 8192"

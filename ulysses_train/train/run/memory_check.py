@@ -59,3 +59,20 @@ def run_flags(argv: Optional[list] = None) -> str:
     """This process's command-line flags as a user would type them again (the launcher's --local_rank left out)."""
     argv = sys.argv[1:] if argv is None else argv
     return " ".join(shlex.quote(a) for a in argv if not a.startswith("--local_rank"))
+
+
+def explicit_flags(cfg, explicit: set) -> str:
+    """The flags a run was given (from the command line, a config file or the Python API), in the reference's order,
+    as a user would type them: a true switch alone, lists space-separated."""
+    from ..config.groups import FLAGS
+
+    words = []
+    for name in (n for n in FLAGS if n in explicit):
+        value = cfg.get(name)
+        if value is True:
+            words.append(f"--{name}")
+        elif isinstance(value, (list, tuple)):
+            words += [f"--{name}", *(shlex.quote(str(v)) for v in value)]
+        else:
+            words += [f"--{name}", shlex.quote(str(value).lower() if isinstance(value, bool) else str(value))]
+    return " ".join(words)

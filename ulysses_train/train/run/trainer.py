@@ -68,7 +68,7 @@ from ..process.watchdog import Watchdog
 from ..step.loop import TOKENS
 from ..step.schedule import lr_factor, warmup_steps
 from ..step.tracking import start_trackers
-from .memory_check import memory_warning, run_flags
+from .memory_check import explicit_flags, memory_warning
 from .preflight import preflight
 
 
@@ -167,6 +167,7 @@ class Trainer:
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+        self.explicit = explicit  # the flags given, which the memory check's planner command repeats
         method_note = resolve_preference(cfg, explicit)  # --method from the data, packed pairs
         cfg.validate()
         preflight(cfg)  # model, tokenizer and dataset paths, before anything is loaded
@@ -324,7 +325,7 @@ class Trainer:
         device = DeviceInfo.of(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         levers = run_levers(cfg, self.model_config, self.ds, self.layout, device, self.geometry)
         warning = memory_warning(run_estimate(cfg, self.model_config, self.ds, self.layout, self.geometry), levers,
-                                 device, run_flags())
+                                 device, explicit_flags(cfg, self.explicit))
         if warning:  # before the model: the build of a run this large takes minutes
             self.warn(warning)
         model = build_model(self.model_config, cfg.base.model, self.dtype, log=self.log,
