@@ -259,12 +259,24 @@ def fits(est: dict, gpu_mem: float, host_mem: float, share: float = 0.95, host: 
     return est["gpu_total"] <= share * gpu_mem and (not host or est["host_total"] <= host_share * host_mem)
 
 
+def estimate_on(g: dict, seq_len: int, gpus: int, sp: int, zero_stage: int = 3, micro: int = 1, act_bytes: int = 2,
+                **run):
+    """This run's estimate as a function of its levers. `run`: estimate's other settings of the run (loss_chunk,
+    tile_tokens, ring, pairs)."""
+    return lambda levers: estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes,
+                                   **run)
+
+
+def fits_with(estimate_of, gpu_mem: float, host_mem: float):
+    """Whether given levers fit this machine by `estimate_of` (estimate_on), within a share of the GPU: what
+    `--checkpoint_layers auto`, `--attn_recompute auto` and `--tiled_mlp auto` ask (the trainer and the planner pass
+    it to the policy)."""
+    def fits_levers(levers: Levers, share: float = 0.95, host: bool = True, host_share: float = 1.0) -> bool:
+        return fits(estimate_of(levers), gpu_mem, host_mem, share, host, host_share)
+    return fits_levers
+
+
 def fits_on(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float, zero_stage: int = 3,
             micro: int = 1, act_bytes: int = 2, **run):
-    """Whether given levers fit this run on this machine, within a share of the GPU: what `--checkpoint_layers auto`,
-    `--attn_recompute auto` and `--tiled_mlp auto` ask (the trainer and the planner pass it to the policy). `run`:
-    estimate's other settings of the run (loss_chunk, tile_tokens, ring, pairs)."""
-    def fits_levers(levers: Levers, share: float = 0.95, host: bool = True, host_share: float = 1.0) -> bool:
-        est = estimate(g, micro * seq_len, gpus, sp, levers, zero_stage=zero_stage, act_bytes=act_bytes, **run)
-        return fits(est, gpu_mem, host_mem, share, host, host_share)
-    return fits_levers
+    """fits_with the estimate of this run (estimate_on's arguments)."""
+    return fits_with(estimate_on(g, seq_len, gpus, sp, zero_stage, micro, act_bytes, **run), gpu_mem, host_mem)

@@ -28,8 +28,7 @@ from ...data.sources import SyntheticSource, build_batch, global_sample_index, s
 from ...errors import ConfigError
 from ...levers.loss import CausalLMWithSPLoss, sp_backward_scale
 from ...levers.master_weights import share_master_weights
-from ...levers.memory import estimate
-from ...levers.memory import fits as memory_fits
+from ...levers.memory import estimate_on, fits_with
 from ...levers.offload import HostOffload
 from ...levers.policy import DeviceInfo, Levers, resolve_levers
 from ...levers.preference_loss import PreferenceLMWithSPLoss
@@ -112,11 +111,10 @@ def run_layout(cfg: TrainConfig, model_config, world: int, device_type: str, cap
 
 def run_estimate(cfg: TrainConfig, model_config, ds: dict, layout: Layout, g: Optional[dict] = None):
     """The planner's memory estimate (levers/memory.py) of this run with given levers: a function of the levers."""
-    micro = ds["train_micro_batch_size_per_gpu"]
-    g, zero_stage = g or run_geometry(cfg, model_config), lever_choices(ds).get("zero_stage", 3)
-    run = dict(zero_stage=zero_stage, act_bytes=2 if layout.bf16 else 4, loss_chunk=cfg.levers.loss_chunk_size,
-               tile_tokens=cfg.levers.mlp_tile_tokens, ring=layout.ring_size, pairs=cfg.pref.method != "sft")
-    return lambda levers: estimate(g, micro * cfg.data.seq_len, layout.world_size, layout.sp_size, levers, **run)
+    return estimate_on(g or run_geometry(cfg, model_config), cfg.data.seq_len, layout.world_size, layout.sp_size,
+                       lever_choices(ds).get("zero_stage", 3), ds["train_micro_batch_size_per_gpu"],
+                       2 if layout.bf16 else 4, loss_chunk=cfg.levers.loss_chunk_size,
+                       tile_tokens=cfg.levers.mlp_tile_tokens, ring=layout.ring_size, pairs=cfg.pref.method != "sft")
 
 
 def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device: DeviceInfo,
@@ -129,11 +127,7 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device:
     act_bytes = 2 if layout.bf16 else 4  # bf16 or fp32 activations
     # the planner's memory estimate: how many layers `--checkpoint_layers auto` checkpoints, and whether
     # `--attn_recompute auto` can keep the attention outputs
-    estimate_of = run_estimate(cfg, model_config, ds, layout, g)
-
-    def fits(levers: Levers, share: float = 0.95, host: bool = True, host_share: float = 1.0) -> bool:
-        return memory_fits(estimate_of(levers), device.memory_bytes, device.host_memory_bytes, share, host,
-                           host_share)
+    fits = fits_with(run_estimate(cfg, model_config, ds, layout, g), device.memory_bytes, device.host_memory_bytes)
     return resolve_levers(cfg.lever_request(), g, local_tokens, act_bytes, device, choices, fits)
 
 
