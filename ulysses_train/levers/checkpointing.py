@@ -24,12 +24,15 @@ from torch.utils.checkpoint import checkpoint
 
 from ..sp.kernels import ATTENTION_OPS, LINEAR_ATTENTION_OPS
 from .offload import HostOffload, OffloadKeptOutputs
+from .projections import PROJECTION_OPS, is_kept
 from .segments import SegmentChain
 
 
-def kept_ops(keep_attention: bool, keep_linear: bool = False) -> frozenset:
-    """The ops whose outputs a checkpointed layer keeps: the attention kernels', the gated delta rule's, or both."""
-    return frozenset((ATTENTION_OPS if keep_attention else []) + (LINEAR_ATTENTION_OPS if keep_linear else []))
+def kept_ops(keep_attention: bool, keep_linear: bool = False, keep_projections: bool = False) -> frozenset:
+    """The ops whose outputs a checkpointed layer keeps: the attention kernels', the gated delta rule's, and the
+    matmuls of its marked projections (projections.py), as asked."""
+    return frozenset((ATTENTION_OPS if keep_attention else []) + (LINEAR_ATTENTION_OPS if keep_linear else [])
+                     + (list(PROJECTION_OPS) if keep_projections else []))
 
 
 class KeptOutput:
@@ -57,7 +60,7 @@ class KeepOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.ops:
+        if is_kept(func, self.ops):
             self.storage[func].append(tree_map(lambda x: KeptOutput(x.detach()) if isinstance(x, torch.Tensor)
                                                else x, out))
         return out
@@ -71,7 +74,7 @@ class UseKeptOutputs(TorchDispatchMode):
         self.ops, self.storage = ops, storage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in self.ops:
+        if not is_kept(func, self.ops):
             return func(*args, **(kwargs or {}))
         if not self.storage[func]:
             raise RuntimeError(f"the recompute of a checkpointed layer calls {func} more often than its forward did "
@@ -103,14 +106,16 @@ class _Both:
 
 
 def make_checkpoint_fn(keep_attention: bool, offload: Optional[HostOffload],
-                       segment: Optional[tuple[SegmentChain, int, bool]] = None, keep_linear: bool = False):
+                       segment: Optional[tuple[SegmentChain, int, bool]] = None, keep_linear: bool = False,
+                       keep_projections: bool = False):
     """The function transformers calls for a checkpointed layer (`_gradient_checkpointing_func`), keeping the
-    attention kernels' outputs (`keep_attention`) and the gated delta rule's (`keep_linear`). `offload`: where
+    attention kernels' outputs (`keep_attention`), the gated delta rule's (`keep_linear`) and its marked
+    projections' (`keep_projections`: projections.py marks the layer's modules). `offload`: where
     what the layer saves goes (None: it stays on the GPU; model/surgery.py gives each layer its place,
     levers/placement.py); `segment`: (the model's chain, the layer's offset in its segment, whether it is the
     segment's last) under `--checkpoint_every` (segments.py), None for a checkpoint of its own."""
     kwargs = {"use_reentrant": False}
-    ops = kept_ops(keep_attention, keep_linear)
+    ops = kept_ops(keep_attention, keep_linear, keep_projections)
     if ops:
         kwargs["context_fn"] = functools.partial(_keep_contexts, ops, offload)
 

@@ -15,7 +15,7 @@ import math
 
 from .layer_activations import kept_layer_bytes, uncheckpointed_backward_bytes
 from .placement import layer_places
-from .policy import GiB, Levers, checkpoint_bytes, kept_output_bytes
+from .policy import GiB, Levers, checkpoint_bytes, kept_output_bytes, projection_bytes
 
 # a 4-bit weight and its block's fp32 absmax (64 weights a block, no double quantization): --load_in_4bit's base
 NF4_BYTES = 0.5 + 4 / 64
@@ -183,6 +183,9 @@ def checkpoint_split(g: dict, t: int, b: int, levers: Levers) -> dict:
     shapes = g["layer_shapes"]
     kept = {i: kept_output_bytes(g, shapes[i], t, b) for i, p in enumerate(places)
             if p.checkpointed and (levers.keep_attention if shapes[i].span.attention else levers.keep_linear)}
+    for i, p in enumerate(places):
+        if p.keeps_projections:
+            kept[i] = kept.get(i, 0) + projection_bytes(g, shapes[i], t, b)
     on_host = {i for i, p in enumerate(places) if p.on_host}
     host_inputs, host_kept = sum(i in on_host for i in inputs), sum(n for i, n in kept.items() if i in on_host)
     return {"gpu checkpoints": (len(inputs) - host_inputs) * one, "host checkpoints": host_inputs * one,

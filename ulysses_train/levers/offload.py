@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..sp.kernels import ATTENTION_OPS
+from .projections import is_kept
 
 OFFLOAD_MIN_BYTES = 1 << 20  # small tensors are not worth a copy
 
@@ -219,7 +220,7 @@ class OffloadKeptOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.ops:
+        if is_kept(func, self.ops):
             with _disable_current_modes():  # the copies themselves must not land in the checkpoint's cache
                 self._offload_new_entries()
         return out

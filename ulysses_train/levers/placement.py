@@ -57,6 +57,7 @@ class LayerPlace:
     saves_input: bool = True  # holds its input as a checkpoint (a segment's first layer)
     on_host: bool = False  # what it saves goes to pinned host memory
     regenerates: bool = False  # runs forward once more in the backward, for the next layer of its segment
+    keeps_projections: bool = False  # keeps its projections' outputs (`--keep_projections`: the first layers)
 
 
 def layer_places(levers, layers: int) -> list[LayerPlace]:
@@ -71,7 +72,8 @@ def layer_places(levers, layers: int) -> list[LayerPlace]:
             places.append(LayerPlace(False, saves_input=False))
             continue
         places.append(LayerPlace(True, saves_input=i % k == 0, on_host=levers.offload_activations and i < first_on_gpu,
-                                 regenerates=i % k != k - 1 and i != n - 1 and k > 1))
+                                 regenerates=i % k != k - 1 and i != n - 1 and k > 1,
+                                 keeps_projections=i < getattr(levers, "keep_projections", 0)))
     return places
 
 

@@ -60,6 +60,7 @@ class LeverRequest:
     checkpoint_layers: str = "all"  # all, auto, or a number of layers
     gpu_checkpoints: str = "auto"  # with the offload: auto, all, or how many checkpoints stay on the GPU
     checkpoint_every: str = "auto"  # auto, or K: only every K-th layer holds a checkpoint (levers/placement.py)
+    keep_projections: str = "0"  # all, or how many checkpointed layers keep their projections' outputs
     adapter_dropout: float = 0.0  # --lora_dropout under --use_peft: random masks a recompute must repeat
 
     @classmethod
@@ -70,7 +71,7 @@ class LeverRequest:
         return cls(levers.loss, levers.gradient_checkpointing, levers.attn_recompute, levers.offload_activations,
                    levers.linear_recompute, levers.tiled_mlp, lean, levers.fused_kernels, levers.share_master_weights,
                    levers.loss_kernel, levers.checkpoint_layers, str(levers.gpu_checkpoints),
-                   str(levers.checkpoint_every), adapter_dropout)
+                   str(levers.checkpoint_every), str(levers.keep_projections), adapter_dropout)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Levers:
     # to the host); and with any checkpointing, every how many layers one holds its input (levers/placement.py)
     gpu_checkpoints: int = 0
     checkpoint_every: int = 1
+    # how many checkpointed layers, the first ones, keep their projections' outputs (levers/projections.py)
+    keep_projections: int = 0
     why: dict = field(default_factory=dict, compare=False)  # lever -> the reason of an `auto` decision
 
     def flags(self, ds_config: Optional[str] = None) -> str:
@@ -141,6 +144,8 @@ class Levers:
                          f"{self.checkpoint_every}")
         elif self.checkpointing and self.checkpoint_every > 1:
             flags.append(f"--checkpoint_every {self.checkpoint_every}")
+        if self.keep_projections:
+            flags.append(f"--keep_projections {self.keep_projections}")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
         if not self.fused_kernels:
             flags.append("--fused_kernels off")
@@ -171,6 +176,22 @@ def kept_output_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
         return tokens * (shape.attn_width * act_bytes + shape.heads * 4)
     d = g["linear_attn"]
     return tokens * (d["value_width"] * act_bytes + d["value_heads"] * (FLA_CHUNK * act_bytes + 4))
+
+
+def projection_features(g: dict, shape) -> list[tuple[int, int]]:
+    """(in, out) features of the projections one layer keeps under `--keep_projections` (levers/projections.py):
+    its token mixer's input projections (attention's q, k and v; a Gated DeltaNet layer's q, k, v, z, b and a)."""
+    h, family = g["hidden"], record_of(g.get("model_type"))
+    if not shape.span.attention:
+        d = g["linear_attn"]
+        return [(h, d["conv_width"] + d["value_width"] + 2 * d["value_heads"])]
+    q_out = shape.attn_width * (2 if family is not None and family.gated_query else 1)
+    return [(h, q_out), (h, 2 * shape.kv * shape.head_dim)]
+
+
+def projection_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
+    """What one layer's kept projection outputs cost per rank: their widths x tokens x the activation's bytes."""
+    return tokens * act_bytes * sum(out for _, out in projection_features(g, shape))
 
 
 def kept_outputs_bytes(g: dict, tokens: int, act_bytes: int, attention: bool = True) -> int:
@@ -274,6 +295,7 @@ def with_checkpoint_layers(levers: Levers, n: int, layers: int) -> Levers:
     of the mixers either)."""
     return dataclasses.replace(levers, checkpointing=n > 0, keep_attention=levers.keep_attention and n > 0,
                                keep_linear=_kept_if(levers.keep_linear, n > 0),
+                               keep_projections=min(levers.keep_projections, n),
                                checkpoint_layers=None if n >= layers else n)
 
 
@@ -301,6 +323,17 @@ def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, devic
                                                        f"auto: {n} of {layers} layers, the fewest that fit"})
     return dataclasses.replace(levers, why={**levers.why, "checkpoint_layers":
                                             "auto: every layer (the plan does not fit even so)"})
+
+
+def _keep_projections(levers: Levers, value: str, layers: int) -> Levers:
+    """`--keep_projections`: all, or how many checkpointed layers (the first ones) keep their projections' outputs
+    (levers/projections.py), at most the checkpointed ones. No `auto` yet: what it saves against the host copies it
+    adds is not measured on a GPU."""
+    if value != "all" and not (str(value).isdigit() and int(value) <= layers):
+        raise ConfigError(f"--keep_projections takes all or a number from 0 to {layers} (the model's layers), got "
+                          f"{value!r} (no auto yet: what it saves against the copies it adds is not measured)")
+    n = layers if value == "all" else int(value)
+    return dataclasses.replace(levers, keep_projections=min(n, levers.checkpointed(layers)))
 
 
 def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
@@ -340,6 +373,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     room = fits if family is not None and family.estimate_measured else None
     if request.checkpoint_layers == "auto":  # judged before the layer search spends what is left
         levers = _untile_where_the_plan_fits(levers, request, device, room)
+    # asked for by number, so counted before the layer search and the kept outputs spend the memory left
+    levers = _keep_projections(levers, request.keep_projections, g["layers"])
     levers = _checkpoint_layers(levers, request, g["layers"], device, fits)
     levers = _keep_attention_where_the_plan_fits(levers, request, device, room)
     if request.checkpoint_layers != "auto":  # after the kept outputs, which save more where both do not fit

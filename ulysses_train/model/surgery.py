@@ -56,6 +56,7 @@ from ..levers.loss import LMHeadWithLoss, backbone, liger_check, lora_head_forwa
 from ..levers.offload import HostOffload
 from ..levers.placement import layer_places
 from ..levers.policy import LeverRequest, Levers
+from ..levers.projections import mark_projections
 from ..levers.segments import SegmentChain
 from ..levers.tiled_mlp import tiled_forward
 from ..sp.all_to_all import group_size
@@ -118,9 +119,10 @@ def install_loss_head(model: nn.Module, fused: bool = True, chunk_size: int = 40
 
 def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Optional[HostOffload],
                          layers: Optional[int] = None, gpu_checkpoints: int = 0, every: int = 1,
-                         keep_linear: bool = False) -> int:
+                         keep_linear: bool = False, keep_projections: int = 0) -> int:
     """transformers' gradient checkpointing, with our checkpoint function on every layer that has one, keeping the
-    attention kernels' outputs (`keep_attention`) and the gated delta rule's (`keep_linear`); with `layers`
+    attention kernels' outputs (`keep_attention`) and the gated delta rule's (`keep_linear`), and in the first
+    `keep_projections` checkpointed layers their projections' (levers/projections.py); with `layers`
     only the first that many decoder layers are checkpointed and the others keep their activations. With `offload`
     the last `gpu_checkpoints` checkpointed layers keep what they save on the GPU, the others offload it; `every`:
     segments of that many layers share a checkpoint (levers/placement.py says why, and which layers).
@@ -139,13 +141,15 @@ def enable_checkpointing(model: nn.Module, keep_attention: bool, offload: Option
     decoder = _decoder_layers(model)
     n = len(decoder) if layers is None else min(layers, len(decoder))
     levers = Levers(checkpoint_layers=n, offload_activations=offload is not None, gpu_checkpoints=gpu_checkpoints,
-                    checkpoint_every=every)
+                    checkpoint_every=every, keep_projections=keep_projections)
     chain, own = SegmentChain(), {}
     for i, (layer, place) in enumerate(zip(decoder, layer_places(levers, len(decoder)))):
         if place.checkpointed:
             last = i % every == every - 1 or i == n - 1
+            projections = place.keeps_projections and mark_projections(layer) > 0
             own[id(layer)] = make_checkpoint_fn(keep_attention, offload if place.on_host else None,
-                                                (chain, i % every, last) if every > 1 else None, keep_linear)
+                                                (chain, i % every, last) if every > 1 else None, keep_linear,
+                                                projections)
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = own.get(id(module), fn)
@@ -377,7 +381,8 @@ def apply_levers(model: nn.Module, levers: Levers, request: LeverRequest, device
         levers = check_liger_loss(levers, request, device, dtype)
     steps = [("checkpointing", lambda: enable_checkpointing(model, levers.keep_attention, offload,
                                                              levers.checkpoint_layers, levers.gpu_checkpoints,
-                                                             levers.checkpoint_every, levers.keep_linear)),
+                                                             levers.checkpoint_every, levers.keep_linear,
+                                                             levers.keep_projections)),
              ("loss head", lambda: int(install_loss_head(model, levers.loss == "fused", loss_chunk_size,
                                                          levers.loss_kernel) is not None)),
              ("RMSNorm", lambda: install_lean_norms(model, fused=levers.fused_kernels)),

@@ -45,7 +45,7 @@ from typing import Optional
 from ..families import FAMILIES
 from ..levers.memory import NF4_BYTES
 from ..levers.placement import LayerPlace, layer_places
-from ..levers.policy import Levers, kept_output_bytes
+from ..levers.policy import Levers, kept_output_bytes, projection_bytes, projection_features
 from ..model.geometry import LayerShape, Span
 from ..sp.fa4_op import cudnn_backward_is_faster
 from ..sp.gated_delta_op import CHUNK as FLA_CHUNK  # the chunk of FLA's gated delta rule
@@ -237,8 +237,11 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
     place = place or LayerPlace(checkpointed, on_host=lv.offload_activations and checkpointed)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
     keep = lv.keep_attention if shape.span.attention else lv.keep_linear  # the mixer kernel's outputs
+    # the projections' matmuls this layer's recompute skips (--keep_projections: the first layers)
+    skipped = _projection_seconds(run, c, shape) if place.keeps_projections else 0.0
     forward = p.linear_fwd + p.lora_fwd + p.attn_fwd + p.elem_fwd + p.a2a
-    recompute = (p.linear_fwd + p.lora_fwd + (0 if keep else p.attn_fwd) + p.elem_fwd + p.a2a) if checkpointed else 0
+    recompute = (p.linear_fwd - skipped + p.lora_fwd + (0 if keep else p.attn_fwd) + p.elem_fwd + p.a2a
+                 if checkpointed else 0)
     backward = p.linear_bwd + p.lora_bwd + p.attn_bwd + p.elem_bwd + p.a2a + ((p.mlp_fwd + p.swiglu_fwd) if tiled
                                                                              else 0)
     # overlapped: the offload's copies of a checkpointed layer's input and kept outputs (out in the forward, back in
@@ -250,7 +253,8 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
     reduce = share * reduced if run.zero_stage >= 2 else 0.0
     mixer = "attention" if shape.span.attention else "linear attention"
     parts = {"adapters": (p.lora_fwd * (2 if checkpointed else 1) + p.lora_bwd)} if g.get("adapters") else {}
-    return {**parts, "matmul": p.linear_fwd * (2 if checkpointed else 1) + p.linear_bwd + (p.mlp_fwd if tiled else 0),
+    return {**parts, "matmul": p.linear_fwd * (2 if checkpointed else 1) - skipped + p.linear_bwd
+            + (p.mlp_fwd if tiled else 0),
             mixer: p.attn_fwd * (2 if checkpointed and not keep else 1) + p.attn_bwd,
             "elementwise": p.elem_fwd * (2 if checkpointed else 1) + p.elem_bwd + (p.swiglu_fwd if tiled else 0),
             "all-to-all": p.a2a * (3 if checkpointed else 2),
@@ -258,6 +262,13 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
             "backward": max(recompute + backward, host, gather * (2 if checkpointed else 1) + reduce),
             "host copies": 2 * host, "zero-3": gather * (3 if checkpointed else 2) + reduce,
             **({"regenerate": _regenerate_seconds(p)} if place.regenerates else {})}
+
+
+def _projection_seconds(run: Run, c: Constants, shape: LayerShape) -> float:
+    """The forward matmuls of the projections a layer keeps (policy.projection_features), at the matmul rate: what
+    its recompute skips under `--keep_projections`."""
+    t = run.micro * math.ceil(run.seq_len / run.sp)
+    return 2 * t * sum(i * o for i, o in projection_features(run.g, shape)) / (c.matmul_tflops * 1e12)
 
 
 def _host_copy_seconds(run: Run, c: Constants, shape: LayerShape, place: LayerPlace, keep: bool) -> float:
@@ -272,6 +283,7 @@ def _host_copy_seconds(run: Run, c: Constants, shape: LayerShape, place: LayerPl
     t = run.micro * math.ceil(run.seq_len / run.sp)
     per_gpu = min(c.pcie_gb_s, c.host_gb_s / min(run.gpus, c.gpus_per_node)) * 1e9
     saved = (t * g["hidden"] * b if place.saves_input else 0) + (kept_output_bytes(g, shape, t, b) if keep else 0)
+    saved += projection_bytes(g, shape, t, b) if place.keeps_projections else 0
     return saved / per_gpu
 
 

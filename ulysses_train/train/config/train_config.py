@@ -289,7 +289,7 @@ FREE_SETTINGS = frozenset({
     # kernels and memory levers compute the same thing (docs/verify.md checks them against transformers)
     "attn_kernel", "gradient_checkpointing", "checkpoint_layers", "attn_recompute", "linear_recompute", "tiled_mlp",
     "mlp_tile_tokens", "share_master_weights", "lean_norm", "fused_kernels", "offload_activations",
-    "gpu_checkpoints", "checkpoint_every", "loss_chunk_size", "loss_kernel", "linear_kernel"})
+    "gpu_checkpoints", "checkpoint_every", "keep_projections", "loss_chunk_size", "loss_kernel", "linear_kernel"})
 
 
 # Settings that decide which tensors are trained and their shapes: LoRA or every weight, the adapters' rank, the

@@ -453,6 +453,7 @@ class Trainer:
                     if "DeltaNet mixer" in counts else "")
         kept = f"attention kept: {lv.keep_attention}" + ("" if lv.keep_linear is None else
                                                           f", gated delta rule kept: {lv.keep_linear}")
+        kept += f", projections kept in {lv.keep_projections} layers" if lv.keep_projections else ""
         return (f"loss {loss} | checkpointing {checkpointed} ({kept}, offload: "
                 f"{lv.offload_activations}) | tiled MLP: {lv.tiled_mlp} | lean norms: {norms} | fused kernels: "
                 f"{fused}{deltanet}")

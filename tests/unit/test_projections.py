@@ -1,0 +1,158 @@
+"""Kept input projections (`--keep_projections`, levers/projections.py) on the CPU: the recompute of a layer that
+keeps them skips exactly its marked projections' matmuls, the loss and every gradient are those of the plain
+recompute bit for bit, and with the offload the kept outputs go to the host, exactly their bytes, as the planner's
+memory estimate counts them. A dense model (Qwen3), a Gated DeltaNet one (Qwen3.5, the rule's exact reference
+standing in for FLA's kernels) and a windowed one with post-norms (OLMo 3)."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.models import any_tiny_config, perturb_deltanet
+from ulysses_train.levers.projections import PROJECTION_OPS, is_kept, is_projection
+
+SEQ = 48
+
+
+class CountMatmuls(TorchDispatchMode):
+    """Counts the matmuls that run (below the checkpoint's modes: a kept one returned from storage never gets here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in PROJECTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def _served(monkeypatch) -> CountMatmuls:
+    """Counts, negated, the matmuls the recompute returns from storage instead of running them
+    (checkpointing.UseKeptOutputs)."""
+    from ulysses_train.levers import checkpointing
+
+    counted, serve = CountMatmuls(), checkpointing.UseKeptOutputs.__torch_dispatch__
+
+    def counting(mode, func, types, args=(), kwargs=None):
+        counted.calls -= func in PROJECTION_OPS and is_kept(func, mode.ops)
+        return serve(mode, func, types, args, kwargs)
+    monkeypatch.setattr(checkpointing.UseKeptOutputs, "__torch_dispatch__", counting)
+    return counted
+
+
+def _step(name: str, keep_projections: int, monkeypatch, offload: bool = False):
+    """Loss, gradients, the matmuls of the backward (recompute included), the host bytes of the offload, and the
+    kept projections' output widths per layer, of a tiny `name` model checkpointed on every layer."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing, install_deltanet_mixers, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.linear_kernel import LinearKernel
+    from ulysses_train.sp.sharding import shard_sequence
+
+    register_ulysses_attention(None, "sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(any_tiny_config(name), attn_implementation="ulysses")
+    if name == "qwen3_5_text":
+        perturb_deltanet(model, 3)
+        install_deltanet_mixers(model, None, LinearKernel("fla"), None)
+    hooks = HostOffload(min_bytes=0) if offload else None
+    enable_checkpointing(model, True, hooks, keep_projections=keep_projections)
+    install_loss_head(model, fused=True, chunk_size=16)
+    ids = torch.randint(3, 96, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    shard = shard_sequence(ids, 1, 0)
+    loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
+                                     global_token_count(shard["labels"], None))
+    # the rule's exact reference (Qwen3.5) runs torch.func in its backward, which no Python mode may wrap: there the
+    # count is of the matmuls the recompute took from storage instead of running them
+    with monkeypatch.context() as patch:
+        counter = CountMatmuls() if name != "qwen3_5_text" else contextlib.nullcontext(_served(patch))
+        with counter as counted:
+            loss.backward()
+    widths = [sum(m.out_features for n, m in layer.named_modules()
+                  if isinstance(m, torch.nn.Linear) and is_projection(n)) for layer in model.model.layers]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, counted.calls, hooks.host_bytes if hooks else 0, widths
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    from ulysses_train.sp import gated_delta_op
+    from ulysses_train.sp.linear_kernel import LinearKernel
+
+    monkeypatch.setattr(gated_delta_op, "IMPL", dict(gated_delta_op.REFERENCE_IMPL))
+    monkeypatch.setattr(LinearKernel, "conv", lambda self, activation: None)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_text", "olmo3"])
+def test_kept_projections_skip_their_matmuls_and_change_nothing(name, reference_kernels, monkeypatch):
+    base_loss, base_grads, base_calls, _, widths = _step(name, 0, monkeypatch)
+    layers = len(widths)
+    counts = {}
+    for kept in (1, layers):
+        loss, grads, calls, _, _ = _step(name, kept, monkeypatch)
+        counts[kept] = base_calls - calls
+        assert loss == base_loss
+        for param, ref in base_grads.items():
+            assert torch.equal(grads[param], ref), param
+    marked = {"qwen3": 3, "qwen3_5_text": 4, "olmo3": 3}[name]  # q, k, v; a DeltaNet layer's qkv, z, b, a
+    # every layer of the tiny Qwen3.5 but its attention layer (q, k, v) is a DeltaNet layer
+    per_layer = [3 if i == layers - 1 and name == "qwen3_5_text" else marked for i in range(layers)]
+    assert counts == {1: per_layer[0], layers: sum(per_layer)}
+
+
+def test_the_offload_moves_the_kept_projections_to_the_host(reference_kernels, monkeypatch):
+    """Each layer's kept projection outputs (its widths x tokens x 4 bytes, fp32 model) go to the host with its input:
+    the host holds exactly their bytes more."""
+    _, base_grads, _, inputs_only, widths = _step("qwen3", 0, monkeypatch, offload=True)
+    _, grads, _, with_kept, _ = _step("qwen3", len(widths), monkeypatch, offload=True)
+    assert with_kept - inputs_only == SEQ * 4 * sum(widths)
+    for param, ref in base_grads.items():
+        assert torch.equal(grads[param], ref), param
+
+
+def test_the_memory_estimate_counts_the_kept_projections_as_the_offload_holds_them(reference_kernels, monkeypatch):
+    """The planner's bytes for the kept projections (policy.projection_bytes, fp32 here) are the host bytes the
+    offload holds for them, layer by layer of a Qwen3.5 (DeltaNet and attention layers)."""
+    from ulysses_train.levers.policy import projection_bytes
+    from ulysses_train.model.geometry import geometry
+
+    _, _, _, inputs_only, widths = _step("qwen3_5_text", 0, monkeypatch, offload=True)
+    _, _, _, with_kept, _ = _step("qwen3_5_text", len(widths), monkeypatch, offload=True)
+    g = geometry(any_tiny_config("qwen3_5_text"))
+    assert [projection_bytes(g, shape, SEQ, 4) for shape in g["layer_shapes"]] == [SEQ * 4 * w for w in widths]
+    assert with_kept - inputs_only == sum(projection_bytes(g, shape, SEQ, 4) for shape in g["layer_shapes"])
+
+
+def test_the_flag_resolves_to_the_first_checkpointed_layers_and_the_planner_times_it():
+    """all is every checkpointed layer, a number at most those; auto and out-of-range values are errors naming the
+    flag; the levers' flags ask for the same again; the time model's step is shorter with them kept (their
+    matmuls leave the recompute) and the host holds their bytes."""
+    from ulysses_train.errors import ConfigError
+    from ulysses_train.levers.memory import estimate
+    from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.model.geometry import geometry
+    from ulysses_train.tools.time_model import Run, step_time
+
+    g = geometry(load_model_config(None, "qwen3.5-9b"))
+    h200 = DeviceInfo.gpu(139.7, 125.0, 1)
+    bf16 = {"zero_stage": 3, "bf16_states": True}
+
+    def levers(**request):
+        return resolve_levers(LeverRequest(offload_activations=True, **request), g, 65536, 2, h200, bf16)
+    assert levers(keep_projections="all").keep_projections == 32
+    assert levers(keep_projections="8", checkpoint_layers="3").keep_projections == 3
+    assert "--keep_projections 16" in levers(keep_projections="16").flags()
+    assert "--keep_projections" not in levers().flags()
+    for bad in ("auto", "33", "-1", "some"):
+        with pytest.raises(ConfigError, match="--keep_projections"):
+            levers(keep_projections=bad)
+    none, every = levers(), levers(keep_projections="all")
+    assert step_time(Run(g, 65536, 1, 1, every, kernel="sdpa"))["total"] < \
+        step_time(Run(g, 65536, 1, 1, none, kernel="sdpa"))["total"]
+    assert estimate(g, 65536, 1, 1, every)["host_total"] > estimate(g, 65536, 1, 1, none)["host_total"]
