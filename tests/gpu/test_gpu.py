@@ -75,6 +75,44 @@ def test_offload_and_kept_attention_are_exact_on_gpu():
             torch.testing.assert_close(g, base_grads[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {n}: {m}")
 
 
+def test_kept_projections_are_exact_and_offloaded_on_gpu():
+    """`--keep_projections` on the GPU, bf16, with kept attention and the host offload (its side streams and pinned
+    copies): the loss is the plain recompute's bit for bit, every gradient within bf16 noise, and the host holds
+    the kept q, k, v outputs beside the layer inputs (tests/unit/test_projections.py checks the counts on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.sharding import shard_sequence
+
+    register_ulysses_attention(None, "sdpa")
+    config = tiny_config("qwen3")
+    ids = torch.randint(3, 96, (1, 2048), generator=torch.Generator().manual_seed(0))
+    results, host_bytes = {}, {}
+    for kept in (0, config.num_hidden_layers):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses", dtype=torch.bfloat16)
+        model = model.cuda().train()
+        hooks = HostOffload(min_bytes=0)
+        enable_checkpointing(model, True, hooks, keep_projections=kept)
+        install_loss_head(model)
+        batch = {k: v.cuda() for k, v in shard_sequence(ids, 1, 0).items()}
+        loss = CausalLMWithSPLoss(model)(batch["input_ids"], batch["position_ids"], batch["labels"],
+                                         global_token_count(batch["labels"], None))
+        loss.backward()
+        host_bytes[kept] = hooks.host_bytes
+        results[kept] = (loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    widths = config.num_attention_heads * config.head_dim + 2 * config.num_key_value_heads * config.head_dim
+    assert host_bytes[config.num_hidden_layers] - host_bytes[0] == config.num_hidden_layers * 2048 * widths * 2
+    (base_loss, base), (loss, grads) = results[0], results[config.num_hidden_layers]
+    assert loss == base_loss
+    for name, grad in grads.items():
+        assert _rel(grad, base[name]) < 1e-2, name
+
+
 def _nccl_attention(rank, world, dtype_name, seed):
     import torch.distributed as dist
 
