@@ -106,3 +106,14 @@ def any_tiny_config(model_type: str):
         if model_type in table:
             return AutoConfig.for_model(FRONTIER_TYPES.get(model_type, model_type), **table[model_type])
     raise KeyError(model_type)
+
+
+def use_reference_deltanet_kernels(monkeypatch):
+    """The gated delta rule op's kernels become its exact reference, and the mixers run their modeling file's conv
+    (FLA's is CUDA's): the DeltaNet mixers' `fla` path on the CPU. Returns the op's module."""
+    from ulysses_train.sp import gated_delta_op
+    from ulysses_train.sp.linear_kernel import LinearKernel
+
+    monkeypatch.setattr(gated_delta_op, "IMPL", dict(gated_delta_op.REFERENCE_IMPL))
+    monkeypatch.setattr(LinearKernel, "conv", lambda self, activation: None)
+    return gated_delta_op

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from tests.models import LINEAR, any_tiny_config, perturb_deltanet
+from tests.models import LINEAR, any_tiny_config, perturb_deltanet, use_reference_deltanet_kernels
 
 SEQ = 48
 
@@ -16,12 +16,7 @@ SEQ = 48
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """The op's kernels are the exact reference; the mixers run the conv of their modeling file (FLA's is CUDA's)."""
-    from ulysses_train.sp import gated_delta_op
-    from ulysses_train.sp.linear_kernel import LinearKernel
-
-    monkeypatch.setattr(gated_delta_op, "IMPL", dict(gated_delta_op.REFERENCE_IMPL))
-    monkeypatch.setattr(LinearKernel, "conv", lambda self, activation: None)
-    return gated_delta_op
+    return use_reference_deltanet_kernels(monkeypatch)
 
 
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 7, 30, SEQ]])

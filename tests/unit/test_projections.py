@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.models import any_tiny_config, perturb_deltanet
+from tests.models import any_tiny_config, perturb_deltanet, use_reference_deltanet_kernels
 from ulysses_train.levers.projections import PROJECTION_OPS, is_kept, is_projection
 
 SEQ = 48
@@ -81,11 +81,7 @@ def _step(name: str, keep_projections: int, monkeypatch, offload: bool = False):
 
 @pytest.fixture
 def reference_kernels(monkeypatch):
-    from ulysses_train.sp import gated_delta_op
-    from ulysses_train.sp.linear_kernel import LinearKernel
-
-    monkeypatch.setattr(gated_delta_op, "IMPL", dict(gated_delta_op.REFERENCE_IMPL))
-    monkeypatch.setattr(LinearKernel, "conv", lambda self, activation: None)
+    return use_reference_deltanet_kernels(monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5_text", "olmo3"])
