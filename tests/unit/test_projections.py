@@ -152,3 +152,52 @@ def test_the_flag_resolves_to_the_first_checkpointed_layers_and_the_planner_time
     assert step_time(Run(g, 65536, 1, 1, every, kernel="sdpa"))["total"] < \
         step_time(Run(g, 65536, 1, 1, none, kernel="sdpa"))["total"]
     assert estimate(g, 65536, 1, 1, every)["host_total"] > estimate(g, 65536, 1, 1, none)["host_total"]
+
+
+FAMILY_NAMES = ["qwen3", "llama", "qwen2", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "gemma4_text", "olmo3",
+                "gpt_oss", "llama4_text", "smollm3", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"]
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_the_planner_counts_what_each_family_marks(name):
+    """Per layer of every family the trainer runs: the output widths of the layers mark_projections marks are the
+    geometry's `input_projection_width` the planner counts (Gemma 4's shared-KV and k-equals-v layers have fewer
+    projections; Qwen2's and GPT-OSS's biased ones are not kept)."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.levers.projections import mark_projections
+    from ulysses_train.model.geometry import geometry
+
+    config = any_tiny_config(name)
+    model = AutoModelForCausalLM.from_config(config)
+    layers = model.model.layers if hasattr(model.model, "layers") else model.model.language_model.layers
+    g = geometry(config)
+    for layer, shape in zip(layers, g["layer_shapes"]):
+        marked = [m for n, m in layer.named_modules()
+                  if isinstance(m, torch.nn.Linear) and m.bias is None and is_projection(n)]
+        assert sum(m.out_features for m in marked) == shape.input_projection_width, (name, shape.span)
+        assert mark_projections(layer) == len(marked)
+    if name in ("qwen2", "gpt_oss"):
+        assert all(shape.input_projection_width == 0 for shape in g["layer_shapes"] if shape.span.attention)
+
+
+def test_a_kept_output_changed_in_place_is_an_error():
+    """DeepSpeed's ZeRO-3 linear adds a bias in place to the matmul's output (why biased layers are not marked):
+    any such write into a kept output after the forward stored it stops the recompute with an error rather than
+    handing it the changed values."""
+    from ulysses_train.levers import projections
+    from ulysses_train.levers.checkpointing import make_checkpoint_fn
+
+    linear = torch.nn.Linear(8, 8, bias=False)
+    projections.mark_projections(torch.nn.ModuleDict({"q_proj": linear}))
+    checkpointed = make_checkpoint_fn(False, None, keep_projections=True)
+
+    def layer(x, in_place):
+        y = linear(x)
+        if in_place:
+            y += 1.0
+        return (y * x).sum()
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpointed(layer, x, False).backward()
+    with pytest.raises(RuntimeError, match="changed in place after the forward stored it"):
+        checkpointed(layer, x, True).backward()

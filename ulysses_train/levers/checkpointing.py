@@ -36,12 +36,20 @@ def kept_ops(keep_attention: bool, keep_linear: bool = False, keep_projections: 
 
 
 class KeptOutput:
-    """One kept tensor, read back through `get_val` (the interface the offload's host copies share)."""
+    """One kept tensor, read back through `get_val` (the interface the offload's host copies share). A tensor changed
+    in place after it was stored (an op of the forward writing into a kept op's output) would hand the recompute the
+    changed values: that is an error, not a silent wrong gradient."""
 
     def __init__(self, val: torch.Tensor):
-        self.val = val
+        # the op's own output carries the version counter the forward's later ops bump (a detached alias made
+        # below autograd, which is what is kept, does not share it)
+        self.val, self.source, self.version = val.detach(), val, val._version
 
     def get_val(self, allow_cache_entry_mutation: bool = False) -> torch.Tensor:
+        if self.source._version != self.version:
+            raise RuntimeError(f"a kept output ({tuple(self.val.shape)}) was changed in place after the forward stored "
+                               f"it; its recompute would read the changed values (levers/checkpointing.py: turn off "
+                               f"the lever that keeps it: --keep_projections, --attn_recompute, --linear_recompute)")
         return self.val
 
 
@@ -61,8 +69,7 @@ class KeepOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if is_kept(func, self.ops):
-            self.storage[func].append(tree_map(lambda x: KeptOutput(x.detach()) if isinstance(x, torch.Tensor)
-                                               else x, out))
+            self.storage[func].append(tree_map(lambda x: KeptOutput(x) if isinstance(x, torch.Tensor) else x, out))
         return out
 
 

@@ -180,13 +180,8 @@ def kept_output_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
 
 def projection_features(g: dict, shape) -> list[tuple[int, int]]:
     """(in, out) features of the projections one layer keeps under `--keep_projections` (levers/projections.py):
-    its token mixer's input projections (attention's q, k and v; a Gated DeltaNet layer's q, k, v, z, b and a)."""
-    h, family = g["hidden"], record_of(g.get("model_type"))
-    if not shape.span.attention:
-        d = g["linear_attn"]
-        return [(h, d["conv_width"] + d["value_width"] + 2 * d["value_heads"])]
-    q_out = shape.attn_width * (2 if family is not None and family.gated_query else 1)
-    return [(h, q_out), (h, 2 * shape.kv * shape.head_dim)]
+    its token mixer's input projections, all from the hidden state (geometry's `input_projection_width`)."""
+    return [(g["hidden"], shape.input_projection_width)] if shape.input_projection_width else []
 
 
 def projection_bytes(g: dict, shape, tokens: int, act_bytes: int) -> int:
@@ -369,12 +364,12 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                     offload_optimizer=ds_choices.get("offload_optimizer", False),
                     gqa_native=not (act_bytes == 4 and device.type == "cuda"),
                     why={k: v for k, v in why.items() if v})
+    # asked for by number: counted before the MLP, the layer search and the kept outputs spend the memory left
+    levers = _keep_projections(levers, request.keep_projections, g["layers"])
     family = record_of(g.get("model_type"))
     room = fits if family is not None and family.estimate_measured else None
     if request.checkpoint_layers == "auto":  # judged before the layer search spends what is left
         levers = _untile_where_the_plan_fits(levers, request, device, room)
-    # asked for by number, so counted before the layer search and the kept outputs spend the memory left
-    levers = _keep_projections(levers, request.keep_projections, g["layers"])
     levers = _checkpoint_layers(levers, request, g["layers"], device, fits)
     levers = _keep_attention_where_the_plan_fits(levers, request, device, room)
     if request.checkpoint_layers != "auto":  # after the kept outputs, which save more where both do not fit

@@ -6,9 +6,10 @@ matmuls are most of that (Qwen3.5-9B at 64k: about 1 s of a 10 s step). A projec
 tokens x 2 bytes, and skipping its matmul saves `in_features` multiply-adds per element kept: every projection from
 the hidden state saves the same time per byte (about 6 ms a GB on an H100 at cuBLAS's rate). With the offload the
 bytes cross PCIe in the forward, beside the layer's checkpoint, at about 18 ms a GB: a layer can keep what its own
-forward hides. The mixer's input projections (attention's q, k, v; a Gated DeltaNet layer's q, k, v, z, b, a) fit
-that (Qwen3.5-9B at 64k: 1.6 GB a layer, 29 ms of copies under a 58 ms forward, by tools/time_model.py); the MLP's
-gate and up (3.2 GB a layer) do not, nor everything (5.2 GB: the copies would take twice the forward).
+forward hides. The mixer's input projections (attention's q, k, v; a Gated DeltaNet layer's q, k, v, z, b, a; not
+where they have biases: mark_projections says why) fit that (Qwen3.5-9B at 64k: 1.6 GB a layer, 29 ms of copies
+under a 58 ms forward, by tools/time_model.py); the MLP's gate and up (3.2 GB a layer) do not, nor everything
+(5.2 GB: the copies would take twice the forward).
 
 How: a forward hook pair on each such nn.Linear marks the thread as inside a kept projection; the checkpoint's
 keeping modes (checkpointing.py) treat a matmul (`aten.mm`, `aten.addmm`) issued there as a kept op, like the
@@ -58,7 +59,9 @@ def mark_projections(layer: nn.Module) -> int:
     returns how many."""
     marked = 0
     for name, module in layer.named_modules():
-        if isinstance(module, nn.Linear) and is_projection(name.removesuffix(".base_layer")):
+        # not one with a bias: under ZeRO-3 DeepSpeed's linear adds it in place to the matmul's output, which the
+        # kept output would then hold, and the recompute add again
+        if isinstance(module, nn.Linear) and module.bias is None and is_projection(name.removesuffix(".base_layer")):
             module.register_forward_pre_hook(_enter)
             module.register_forward_hook(_leave, always_call=True)
             marked += 1

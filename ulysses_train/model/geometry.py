@@ -51,6 +51,9 @@ class LayerShape(NamedTuple):
     mlp_matmul_params: int
     inter: int  # intermediate width a token goes through (its experts' and the shared expert's in a MoE)
     moe: bool
+    # the outputs of the token mixer's input projections, per token, that --keep_projections keeps
+    # (levers/projections.py): q, k, v where the layer has them, a DeltaNet layer's q, k, v, z, b, a; 0 with biases
+    input_projection_width: int = 0
 
     @property
     def attn_width(self) -> int:
@@ -77,8 +80,9 @@ def _kv_shared(config, index: int) -> bool:
     return bool(modes) and modes[index] == "reuse"
 
 
-def _attention(config, index: int) -> tuple[int, int, int, int, int]:
-    """(parameters, matmul parameters, heads, KV heads, head_dim) of layer `index`'s attention."""
+def _attention(config, index: int) -> tuple[int, int, int, int, int, int]:
+    """(parameters, matmul parameters, heads, KV heads, head_dim, the width of its q, k and v projections' outputs
+    or 0 where they have biases) of layer `index`'s attention."""
     lc, h, family = _layer_config(config, index), config.hidden_size, FAMILIES[config.model_type]
     q = config.num_attention_heads
     d = getattr(lc, "head_dim", None) or h // q
@@ -97,19 +101,21 @@ def _attention(config, index: int) -> tuple[int, int, int, int, int]:
     else:
         norms = q * d + kv * d if family.qk_norm == "wide" else 0
     sinks = q if family.sinks else 0  # one learned logit per head
-    return matmul + bias + norms + sinks, matmul, q, kv, d
+    return matmul + bias + norms + sinks, matmul, q, kv, d, 0 if bias else q_out + kv_out
 
 
-def _deltanet(config) -> tuple[int, int]:
-    """(parameters, matmul parameters) of a Gated DeltaNet mixer (Qwen3.5 and Qwen3-Next: the same weights, fused
-    differently): q, k, v, the output gate z and the per-head beta and decay a from the hidden state, a causal
-    depthwise convolution over q, k and v, per-head dt bias and A, a gated RMSNorm per value head, the output."""
+def _deltanet(config) -> tuple[int, int, int]:
+    """(parameters, matmul parameters, the width of its input projections' outputs) of a Gated DeltaNet mixer
+    (Qwen3.5 and Qwen3-Next: the same weights, fused differently): q, k, v, the output gate z and the per-head beta
+    and decay a from the hidden state, a causal depthwise convolution over q, k and v, per-head dt bias and A, a
+    gated RMSNorm per value head, the output."""
     h, nv = config.hidden_size, config.linear_num_value_heads
     key = config.linear_num_key_heads * config.linear_key_head_dim
     value = nv * config.linear_value_head_dim
     conv = 2 * key + value
     matmul = h * (conv + value + 2 * nv) + value * h
-    return matmul + conv * config.linear_conv_kernel_dim + 2 * nv + config.linear_value_head_dim, matmul
+    inputs = conv + value + 2 * nv
+    return matmul + conv * config.linear_conv_kernel_dim + 2 * nv + config.linear_value_head_dim, matmul, inputs
 
 
 def linear_attention_dims(config) -> Optional[dict]:
@@ -198,9 +204,9 @@ def _per_layer_input(config) -> int:
 def _layer(config, index: int, mixer) -> LayerShape:
     span, h = _span(mixer), config.hidden_size
     if span.attention:
-        mixer_params, mixer_matmul, heads, kv, head_dim = _attention(config, index)
+        mixer_params, mixer_matmul, heads, kv, head_dim, inputs = _attention(config, index)
     else:
-        (mixer_params, mixer_matmul), heads, kv, head_dim = _deltanet(config), 0, 0, 0
+        (mixer_params, mixer_matmul, inputs), heads, kv, head_dim = _deltanet(config), 0, 0, 0
     mlp_params, mlp_matmul, inter, moe = _mlp(config, index)
     norms = hidden_norms(config) * h
     ple = _per_layer_input(config)
@@ -208,7 +214,7 @@ def _layer(config, index: int, mixer) -> LayerShape:
     # from the hidden state to every layer's input (a matmul each token goes through, counted at the model level)
     ple_params, ple_matmul = (2 * h * ple + h, 3 * h * ple) if ple else (0, 0)
     return LayerShape(span, heads, kv, head_dim, mixer_params + mlp_params + norms + ple_params,
-                      mixer_matmul + mlp_matmul + ple_matmul, mlp_matmul, inter, moe)
+                      mixer_matmul + mlp_matmul + ple_matmul, mlp_matmul, inter, moe, inputs)
 
 
 def _model_params(config) -> int:
