@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from tests.models import qwen2_28_heads_config, tiny_config
+from tests.models import any_tiny_config, qwen2_28_heads_config, tiny_config
 from ulysses_train.levers.policy import GiB, LeverRequest, Levers, resolve_levers
+from ulysses_train.model.build import load_model_config
 from ulysses_train.model.geometry import Span, geometry
 from ulysses_train.tools.machine_constants import AttentionRates, Constants, ElementwiseCosts
 from ulysses_train.tools.time_model import Run, step_time
@@ -392,3 +393,26 @@ def test_checkpoints_on_the_gpu_copy_nothing_and_segments_cost_a_forward_per_reg
     segment = step_time(Run(g, 1024, 2, 2, dataclasses.replace(levers, checkpoint_every=2)), ROUND)
     assert segment["overlapped"]["host copies"] == pytest.approx(host_all["overlapped"]["host copies"] / 2)
     assert segment["total"] > host_all["total"]
+
+
+def test_the_fa4_op_backward_is_timed_as_the_kernel_that_runs_it():
+    """At head_dim 256 on Hopper our FA4 op runs cuDNN's backward for plain causal layers (sp/fa4_op.py), unpacked:
+    the model times Qwen3.5's attention layers' backward at SDPA's rate there, and at FA4's with packed documents
+    (FA4's varlen op); Gemma 3's global layers go to cuDNN too, Gemma 2's softcapped ones stay FA4's."""
+    from ulysses_train.levers.policy import Levers
+    from ulysses_train.tools.time_model import Run, _cudnn_backward
+
+    lv = Levers(offload_activations=True, keep_linear=True, fused_kernels=True, bf16_states=True)
+    g = geometry(load_model_config(None, "qwen3.5-9b"))
+    shape = next(s for s in g["layer_shapes"] if s.span.attention)
+    assert _cudnn_backward(Run(g, 65536, 1, 1, lv), shape)
+    assert not _cudnn_backward(Run(g, 65536, 1, 1, lv, docs=((32768, 32768),)), shape)
+    gemma3 = geometry(load_model_config(None, "gemma3-4b"))
+    full, window = (next(s for s in gemma3["layer_shapes"] if s.span.kind == kind) for kind in ("full", "window"))
+    assert _cudnn_backward(Run(gemma3, 65536, 1, 1, lv), full)
+    assert not _cudnn_backward(Run(gemma3, 65536, 1, 1, lv), window)
+    config = any_tiny_config("gemma2")
+    config.head_dim = 256
+    gemma2 = geometry(config)
+    full = next(s for s in gemma2["layer_shapes"] if s.span.kind == "full")
+    assert not _cudnn_backward(Run(gemma2, 65536, 1, 1, lv), full)

@@ -21,6 +21,7 @@ offload, gradients) without the package or a GPU.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -57,13 +58,24 @@ def cudnn_backward_is_faster(head_dim: int, head_dim_v: int, causal: bool, windo
             and tuple(capability) == (9, 0))
 
 
+@functools.lru_cache(maxsize=None)
+def _cudnn_lse_dims() -> int:
+    """The dims of the log-sum-exp this PyTorch's cuDNN attention returns, and so takes back in its backward: (b, h, s,
+    1) in some releases, (b, h, s) in others (sp/block_kernels.py reads it off each forward); asked of the op's meta
+    kernel once."""
+    q = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bfloat16)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False,
+                                                              scale=1.0)[1].dim()
+
+
 def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple:
     """cuDNN's causal attention backward (PyTorch's op) from FA4's forward outputs: both keep the natural-log
     log-sum-exp of the scaled scores per query row, so FA4's (b, h, s) lse is cuDNN's (b, h, s, 1) statistics.
     (b, s, h, d) tensors go in as (b, h, s, d) views; GQA native (k, v with fewer heads)."""
     unused = torch.zeros(1, dtype=torch.int64, device=q.device)  # dropout's philox seed and offset: p = 0
+    stats = lse.unsqueeze(-1) if _cudnn_lse_dims() == 4 else lse
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.unsqueeze(-1), unused, unused, None, None, None,
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), stats, unused, unused, None, None, None,
         q.shape[1], k.shape[1], 0.0, True, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), q.new_empty(0)
 

@@ -183,7 +183,10 @@ def _mixer_seconds(run: Run, c: Constants, shape: LayerShape) -> tuple[float, fl
 
 def _cudnn_backward(run: Run, shape: LayerShape) -> bool:
     """Whether our FA4 op hands this layer's backward to cuDNN (sp/fa4_op.py), on the Hopper GPUs the constants
-    describe: full causal attention at head_dim 256 without a softcap or sinks."""
+    describe: full causal attention at head_dim 256 without a softcap or sinks, unpacked (packed documents go
+    through FA4's varlen op, whose backward is FA4's own)."""
+    if run.docs is not None:
+        return False
     family = FAMILIES.get(run.g["model_type"])
     softcap = family is not None and family.attention_softcap
     sinks = family is not None and family.sinks
