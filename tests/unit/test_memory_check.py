@@ -73,7 +73,8 @@ def test_run_flags_leave_the_launchers_local_rank_out():
 
 def test_cuda_out_of_memory_ends_with_what_to_change(capsys):
     """An out-of-memory error that escapes the run (the command line's report of an unexpected error) is followed,
-    on rank 0, by the planner command on the run's flags and the flags that lower the peak; other errors are not."""
+    on the rank that ran out, by the planner command on the run's flags and the flags that lower the peak; other
+    errors are not."""
     import torch
 
     from ulysses_train.train import cli
@@ -83,10 +84,11 @@ def test_cuda_out_of_memory_ends_with_what_to_change(capsys):
         try:
             raise error
         except Exception as e:  # noqa: BLE001 - the report reads the exception being handled
-            cli._report_unexpected(e, 0, None)
+            cli._report_unexpected(e, 1, None, "--model_config qwen3-4b --seq_len 65536")
         err = capsys.readouterr().err
-        assert err.startswith(f"error: rank 0 failed: {type(error).__name__}")
-        assert ("hint: `python -m ulysses_train.plan --gpus N -- " in err) is hinted
+        assert err.startswith(f"error: rank 1 failed: {type(error).__name__}")
+        assert ("hint: `python -m ulysses_train.plan --gpus N -- --model_config qwen3-4b --seq_len 65536` "
+                in err) is hinted
         assert ("--ds_config ds_configs/zero3_offload.json" in err) is hinted
 
 

@@ -34,7 +34,7 @@ from .config.config_file import parse_args
 from .process.faults import Interrupted, NonFiniteError, StopFlag
 from .process.launcher import exit_now, normalise_launcher_env
 from .process.report import report_once
-from .run.memory_check import run_flags
+from .run.memory_check import explicit_flags, run_flags
 
 # what a collective raises when another rank died or left first: the other rank's own message says why
 PEER_FAILURE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
@@ -66,7 +66,7 @@ def _interrupted(signal_name: str, rank: int) -> int:
     return 130 if signal_name == "SIGINT" else 0
 
 
-def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
+def _report_unexpected(error: BaseException, rank: int, cfg, flags: str = "") -> None:
     text = traceback.format_exc()
     debug = cfg is not None and cfg.log.debug
     if _peer_failure(error):  # not the cause: a peer's message says what happened
@@ -84,14 +84,14 @@ def _report_unexpected(error: BaseException, rank: int, cfg) -> None:
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     detail = text if debug else (f"(traceback in {where}; --debug prints it)" if where else f"\n{text}")
     print(f"error: rank {rank} failed: {type(error).__name__}: {first} {detail}", file=sys.stderr, flush=True)
-    if isinstance(error, torch.OutOfMemoryError) and rank == 0:
-        print(out_of_memory_hint(), file=sys.stderr, flush=True)
+    if isinstance(error, torch.OutOfMemoryError):  # each rank that ran out says it, with what to change
+        print(out_of_memory_hint(flags), file=sys.stderr, flush=True)
 
 
-def out_of_memory_hint(argv=None) -> str:
-    """What to change after CUDA ran out of memory: the planner on this run's flags (what it estimates and which
-    levers fit), and the flags that lower the peak."""
-    return ("hint: `python -m ulysses_train.plan --gpus N -- " + run_flags(argv) + "` estimates this run's memory "
+def out_of_memory_hint(flags: str) -> str:
+    """What to change after CUDA ran out of memory: the planner on this run's flags (`flags`: what it estimates and
+    which levers fit), and the flags that lower the peak."""
+    return ("hint: `python -m ulysses_train.plan --gpus N -- " + flags + "` estimates this run's memory "
             "and the levers and GPU count that fit it; what lowers the peak: --offload_activations, "
             "--checkpoint_layers all, --tiled_mlp on, a shorter --seq_len, more GPUs (--sp_size), or the optimizer "
             "states in host memory (--ds_config ds_configs/zero3_offload.json)")
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     quiet_libraries()
     normalise_launcher_env()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    cfg = None
+    cfg, explicit = None, set()
     try:
         cfg, explicit = parse_args(argv)
         result = run(cfg, explicit, process_exits=True)
@@ -121,6 +121,6 @@ def main(argv=None) -> int:
         if StopFlag.interrupted_by == "SIGINT" and _peer_failure(e):  # Ctrl-C again: a peer stopped first
             code = _interrupted("SIGINT", rank)
         else:  # do not wait in collectives on the other ranks: the launcher tears them down
-            _report_unexpected(e, rank, cfg)
+            _report_unexpected(e, rank, cfg, explicit_flags(cfg, explicit) if cfg is not None else run_flags(argv))
             code = 3
     exit_now(code)
