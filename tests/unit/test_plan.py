@@ -33,13 +33,13 @@ def test_components_by_hand():
     t = 512
     assert e["tokens_per_rank"] == t
     assert e["gpu"]["checkpoints"] == 2 * t * 64 * 2
-    assert e["gpu"]["kept attention"] == 2 * t * (64 * 2 + 8 * 4)  # output, and fp32 log-sum-exp per head
+    assert e["gpu"]["kept outputs"] == 2 * t * (64 * 2 + 8 * 4)  # output, and fp32 log-sum-exp per head
     assert e["gpu"]["model states"] == pytest.approx(2 * n / 4 + 14 * n / 4 + 4 * g["layer_params"])
     assert e["gpu"]["loss"] == 256 * 96 * 6 + 96 * 64 * 4 + 2 * t * 64 * 2
     assert e["gpu"]["all-to-all buffers"] == 2 * t * (64 + 2 * max(32, 16)) * 2
     offloaded = estimate(g, 1024, 4, 2, Levers(offload_activations=True, bf16_states=True))
     assert offloaded["gpu"]["checkpoints"] == 0
-    assert offloaded["gpu"]["kept attention"] == 0  # the offload takes the kept attention outputs too
+    assert offloaded["gpu"]["kept outputs"] == 0  # the offload takes the kept attention outputs too
     assert offloaded["host"]["offloaded checkpoints"] == 4 * 2 * t * (64 * 2 + 64 * 2 + 8 * 4)  # 4 ranks on the host
     plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False, gqa_native=False))["gpu"]["layer working set"]
     lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True, gqa_native=False))["gpu"]["layer working set"]
@@ -180,7 +180,7 @@ def test_saved_bytes_match_cpu_allocations(keep):
     per_token = _alive_bytes_per_token(model)
     g = geometry(config)
     e = estimate(g, seq_len=1, gpus=1, sp=1, levers=Levers(keep_attention=keep), act_bytes=4)
-    planned = e["gpu"]["checkpoints"] + e["gpu"]["kept attention"]  # per token, as seq_len is 1
+    planned = e["gpu"]["checkpoints"] + e["gpu"]["kept outputs"]  # per token, as seq_len is 1
     assert per_token == pytest.approx(planned, rel=0.05)
 
 
@@ -335,10 +335,10 @@ def test_deltanet_layers_keep_no_attention_outputs_and_send_nothing():
     g = geometry(qwen35_config(8))  # layers 3 and 7 attend
     t, b = 1024, 2
     e = estimate(g, t, 1, 1, Levers(keep_attention=True))
-    assert e["gpu"]["kept attention"] == 2 * t * (64 * b + 4 * 4)
+    assert e["gpu"]["kept outputs"] == 2 * t * (64 * b + 4 * 4)
     assert e["gpu"]["checkpoints"] == 8 * t * 64 * b
     half = estimate(g, t, 1, 1, Levers(keep_attention=True, checkpoint_layers=4))
-    assert half["gpu"]["kept attention"] == 1 * t * (64 * b + 4 * 4)  # layer 3 of the first four
+    assert half["gpu"]["kept outputs"] == 1 * t * (64 * b + 4 * 4)  # layer 3 of the first four
     spans = g["attn_spans"][4:]
     assert half["gpu"]["uncheckpointed layers"] == sum(kept_layer_bytes(g, t, b, Levers(), 1, s) for s in spans)
     deltanet = kept_layer_bytes(g, t, b, Levers(), 1, spans[0])
@@ -360,10 +360,10 @@ def test_partial_checkpointing_by_hand():
     none = estimate(g, 1024, 1, 1, Levers(checkpointing=False, keep_attention=False))
     layer = kept_layer_bytes(g, 1024, 2, Levers())
     assert half["gpu"]["checkpoints"] == full["gpu"]["checkpoints"] / 2 == 1024 * 64 * 2
-    assert half["gpu"]["kept attention"] == full["gpu"]["kept attention"] / 2
+    assert half["gpu"]["kept outputs"] == full["gpu"]["kept outputs"] / 2
     assert half["gpu"]["uncheckpointed layers"] == layer and none["gpu"]["uncheckpointed layers"] == 2 * layer
     assert half["gpu_total"] - full["gpu_total"] == pytest.approx(layer - full["gpu"]["checkpoints"] / 2
-                                                                  - full["gpu"]["kept attention"] / 2)
+                                                                  - full["gpu"]["kept outputs"] / 2)
     # by hand: 4 H + (A + KV) before the q/k norms + A + 2 KV for the kernel + A out + 3 I (fused SwiGLU), bf16;
     # fp32 per row: 2 + heads + kv for the norms, heads for the log-sum-exp
     assert kept_layer_bytes(g, 1, 2, Levers(fused_kernels=True)) == (4 * 64 + 96 + 64 + 64 + 64 + 3 * 128) * 2 \
@@ -391,9 +391,9 @@ def test_uncheckpointed_layers_peak_at_the_loss_or_their_own_backward_not_under_
         layers = kept * kept_layer_bytes(g, t, b, levers)
         transient = max(part["gpu"]["layer working set"],
                         layers + max(part["gpu"]["loss"], uncheckpointed_backward_bytes(g, t, b, levers)))
-        expected = (full["gpu_total"] - full["gpu"]["checkpoints"] - full["gpu"]["kept attention"]
+        expected = (full["gpu_total"] - full["gpu"]["checkpoints"] - full["gpu"]["kept outputs"]
                     - max(full["gpu"]["layer working set"], full["gpu"]["loss"])
-                    + part["gpu"]["checkpoints"] + part["gpu"]["kept attention"] + transient)
+                    + part["gpu"]["checkpoints"] + part["gpu"]["kept outputs"] + transient)
         assert part["gpu_total"] == pytest.approx(expected)
 
 
@@ -434,13 +434,13 @@ def test_checkpoint_split_and_segments_by_hand():
     assert host_all["host"]["offloaded checkpoints"] == 4 * 5 * (one + kept_one)
     for gpu in (0, 2, 5):
         split = estimate(g, 1024, 4, 2, Levers(offload_activations=True, gpu_checkpoints=gpu))
-        assert split["gpu"]["checkpoints"] == gpu * one and split["gpu"]["kept attention"] == gpu * kept_one
+        assert split["gpu"]["checkpoints"] == gpu * one and split["gpu"]["kept outputs"] == gpu * kept_one
         assert split["host"]["offloaded checkpoints"] == 4 * (5 - gpu) * (one + kept_one)
         assert split["gpu_total"] - host_all["gpu_total"] == gpu * (one + kept_one)
     on_gpu = estimate(g, 1024, 4, 2, Levers())
     assert on_gpu["gpu"]["checkpoints"] == 5 * one and on_gpu["host"]["offloaded checkpoints"] == 0
     segments = estimate(g, 1024, 4, 2, Levers(checkpoint_every=2))  # layers 0, 2 and 4 hold their inputs
-    assert segments["gpu"]["checkpoints"] == 3 * one and segments["gpu"]["kept attention"] == 5 * kept_one
+    assert segments["gpu"]["checkpoints"] == 3 * one and segments["gpu"]["kept outputs"] == 5 * kept_one
     assert segments["gpu"]["regenerated inputs"] == one
     assert segments["gpu"]["layer working set"] - on_gpu["gpu"]["layer working set"] == one
     # segments of 2 with the last two layers on the GPU: inputs of layers 0 and 2 on the host, of layer 4 on the GPU

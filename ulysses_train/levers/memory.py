@@ -230,7 +230,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
     ring_buffers = ring_bytes(g, t, sp, ring, b)
     on_gpu_ckpt, on_gpu_kept = saved["gpu checkpoints"], saved["gpu kept"]
-    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept attention": on_gpu_kept,
+    gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept outputs": on_gpu_kept,
            "layer working set": layer, "loss": loss, "all-to-all buffers": a2a}
     if regenerated:
         gpu["regenerated inputs"] = regenerated  # part of the layer working set

@@ -177,7 +177,8 @@ def predicted_time(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, ds
 LABELS = {
     "model states": "this GPU's ZeRO-3 shard of the weights, gradients and optimizer states, and the gathered layer",
     "checkpoints": "each checkpointed layer's input, kept for its recompute in the backward",
-    "kept attention": "attention outputs and log-sum-exp kept for the backward (--attn_recompute never)",
+    "kept outputs": "attention outputs and log-sum-exp (--attn_recompute never), the gated delta rule's "
+                    "(--linear_recompute never) and input projections' (--keep_projections) kept for the backward",
     "layer working set": "one layer's activations while its forward and backward run",
     "loss": "the fused loss's chunk of logits and its gradient",
     "all-to-all buffers": "Ulysses' send and receive buffers (none at --sp_size 1)",
@@ -186,7 +187,7 @@ LABELS = {
     "CUDA overhead": "the CUDA context, allocator and library workspaces",
     "total (peak)": "the most in use at once (the loss and the layer working set never overlap)",
     "optimizer offload": "optimizer states moved to the host by the DeepSpeed JSON (offload_optimizer)",
-    "offloaded checkpoints": "checkpoints and kept attention moved to the host (--offload_activations)",
+    "offloaded checkpoints": "checkpoints and kept outputs moved to the host (--offload_activations)",
     "regenerated inputs": "a segment's layer inputs, regenerated at once in the backward (--checkpoint_every)",
     "total": "with 4 GiB per rank for the process itself",
     "all-to-all": "Ulysses' all-to-all traffic of one sequence, every layer, forward and backward",
