@@ -2,6 +2,8 @@
 Ulysses SP on every rank: the two runs tests/distributed/test_model_equivalence.py compares on CPU and
 tests/gpu/test_gpu.py on GPUs."""
 
+from typing import Optional
+
 import torch
 
 from tests.models import tiny_config
@@ -81,3 +83,36 @@ def sharded_run(rank, world, family, seed, loss_kind, stage, reduce_scatter=True
         results[kernel] = (total.item(), grads)
         engine.step()  # lr 0: the weights stay as they are, and the gradients are cleared for the next kernel
     return results
+
+
+def checkpointed_loss(name: str, seq: int, offload: bool = False, checkpointing: Optional[dict] = None):
+    """A tiny `name` model through our attention (SDPA) and, for a Gated DeltaNet family (Qwen3.5), our mixers on the
+    `fla` kernel (what tests/models.py: use_reference_deltanet_kernels makes of it on the CPU), every layer
+    checkpointed with `checkpointing` (enable_checkpointing's keyword arguments; None: not checkpointed), the fused
+    loss head: (model, its loss on `seq` tokens, not yet backpropagated, the offload's hooks or None)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import any_tiny_config, perturb_deltanet
+    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
+    from ulysses_train.levers.offload import HostOffload
+    from ulysses_train.model.surgery import enable_checkpointing, install_deltanet_mixers, install_loss_head
+    from ulysses_train.sp.attention import register_ulysses_attention
+    from ulysses_train.sp.linear_kernel import LinearKernel
+    from ulysses_train.sp.sharding import shard_sequence
+
+    register_ulysses_attention(None, "sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(any_tiny_config(name), attn_implementation="ulysses")
+    if name == "qwen3_5_text":
+        perturb_deltanet(model, 3)
+        assert install_deltanet_mixers(model, None, LinearKernel("fla"), None) == 3
+    hooks = HostOffload(min_bytes=0) if offload else None
+    if checkpointing is not None:
+        levers = dict(checkpointing)
+        enable_checkpointing(model, levers.pop("keep_attention", False), hooks, **levers)
+    install_loss_head(model, fused=True, chunk_size=16)
+    ids = torch.randint(3, 96, (1, seq), generator=torch.Generator().manual_seed(1))
+    shard = shard_sequence(ids, 1, 0)
+    loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
+                                     global_token_count(shard["labels"], None))
+    return model, loss, hooks

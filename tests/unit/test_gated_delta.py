@@ -8,7 +8,8 @@ import inspect
 import pytest
 import torch
 
-from tests.models import LINEAR, any_tiny_config, perturb_deltanet, use_reference_deltanet_kernels
+from tests.model_runs import checkpointed_loss
+from tests.models import LINEAR, use_reference_deltanet_kernels
 
 SEQ = 48
 
@@ -50,32 +51,13 @@ def test_the_op_gives_the_torch_rule_and_its_gradients(reference_kernels, cu_seq
 def _deltanet_step(keep_linear: bool, checkpoint: bool, offload: bool = False):
     """Loss and gradients of a tiny Qwen3.5 (3 DeltaNet layers, 1 attention layer) through our mixers with the
     `fla` kernel (the reference standing in), and how many times the rule's forward ran."""
-    from transformers import AutoModelForCausalLM
-
-    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
-    from ulysses_train.levers.offload import HostOffload
-    from ulysses_train.model.surgery import enable_checkpointing, install_deltanet_mixers, install_loss_head
     from ulysses_train.sp import gated_delta_op
-    from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.sp.linear_kernel import LinearKernel
-    from ulysses_train.sp.sharding import shard_sequence
 
     calls = []
     forward = gated_delta_op.IMPL["forward"]
     gated_delta_op.IMPL["forward"] = lambda *args: calls.append(1) or forward(*args)
-    register_ulysses_attention(None, "sdpa")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(any_tiny_config("qwen3_5_text"), attn_implementation="ulysses")
-    perturb_deltanet(model, 3)
-    assert install_deltanet_mixers(model, None, LinearKernel("fla"), None) == 3
-    hooks = HostOffload(min_bytes=0) if offload else None
-    if checkpoint:
-        enable_checkpointing(model, False, hooks, keep_linear=keep_linear)
-    install_loss_head(model, fused=True, chunk_size=16)
-    ids = torch.randint(3, 96, (1, SEQ), generator=torch.Generator().manual_seed(1))
-    shard = shard_sequence(ids, 1, 0)
-    loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
-                                     global_token_count(shard["labels"], None))
+    checkpointing = dict(keep_linear=keep_linear) if checkpoint else None
+    model, loss, hooks = checkpointed_loss("qwen3_5_text", SEQ, offload, checkpointing)
     loss.backward()
     gated_delta_op.IMPL["forward"] = forward
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

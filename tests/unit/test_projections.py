@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.models import any_tiny_config, perturb_deltanet, use_reference_deltanet_kernels
+from tests.model_runs import checkpointed_loss
+from tests.models import any_tiny_config, use_reference_deltanet_kernels
 from ulysses_train.levers.projections import PROJECTION_OPS, is_kept, is_projection
 
 SEQ = 48
@@ -45,28 +46,8 @@ def _served(monkeypatch) -> CountMatmuls:
 def _step(name: str, keep_projections: int, monkeypatch, offload: bool = False):
     """Loss, gradients, the matmuls of the backward (recompute included), the host bytes of the offload, and the
     kept projections' output widths per layer, of a tiny `name` model checkpointed on every layer."""
-    from transformers import AutoModelForCausalLM
-
-    from ulysses_train.levers.loss import CausalLMWithSPLoss, global_token_count
-    from ulysses_train.levers.offload import HostOffload
-    from ulysses_train.model.surgery import enable_checkpointing, install_deltanet_mixers, install_loss_head
-    from ulysses_train.sp.attention import register_ulysses_attention
-    from ulysses_train.sp.linear_kernel import LinearKernel
-    from ulysses_train.sp.sharding import shard_sequence
-
-    register_ulysses_attention(None, "sdpa")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(any_tiny_config(name), attn_implementation="ulysses")
-    if name == "qwen3_5_text":
-        perturb_deltanet(model, 3)
-        install_deltanet_mixers(model, None, LinearKernel("fla"), None)
-    hooks = HostOffload(min_bytes=0) if offload else None
-    enable_checkpointing(model, True, hooks, keep_projections=keep_projections)
-    install_loss_head(model, fused=True, chunk_size=16)
-    ids = torch.randint(3, 96, (1, SEQ), generator=torch.Generator().manual_seed(1))
-    shard = shard_sequence(ids, 1, 0)
-    loss = CausalLMWithSPLoss(model)(shard["input_ids"], shard["position_ids"], shard["labels"],
-                                     global_token_count(shard["labels"], None))
+    model, loss, hooks = checkpointed_loss(name, SEQ, offload,
+                                           dict(keep_attention=True, keep_projections=keep_projections))
     # the rule's exact reference (Qwen3.5) runs torch.func in its backward, which no Python mode may wrap: there the
     # count is of the matmuls the recompute took from storage instead of running them
     with monkeypatch.context() as patch:
