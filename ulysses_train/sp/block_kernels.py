@@ -55,26 +55,26 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal):
 # ---------------------------------------------------------------- SDPA on CUDA: cuDNN
 
 # The cuDNN backward takes the forward's random-number state and sequence offsets even without dropout or nested
-# tensors; the placeholders of the latest forward on each device are handed back (what SDPA's own autograd does),
-# with the number of dims of its log-sum-exp (a trailing dim of one in some releases).
+# tensors; the placeholders of the latest forward on each device are handed back (what SDPA's own autograd does).
+# Its log-sum-exp goes back with the dims the op returns it in (fa4_op.cudnn_lse_dims: a trailing 1 in some releases).
 _CUDNN_EXTRAS: dict = {}
 
 
 def _cudnn_forward(q, k, v, scale, causal):
     out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         *_heads_first(q, k, v), None, True, 0.0, causal, False, scale=scale)
-    _CUDNN_EXTRAS[q.device] = (seed, offset, cum_q, cum_k, lse.dim())
+    _CUDNN_EXTRAS[q.device] = (seed, offset, cum_q, cum_k)
     b, h, n = out.shape[:3]
     return out.transpose(1, 2), lse.reshape(b, h, n)
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
-    seed, offset, cum_q, cum_k, lse_dims = _CUDNN_EXTRAS[q.device]
+    seed, offset, cum_q, cum_k = _CUDNN_EXTRAS[q.device]
     lse = lse.contiguous()
+    stats = lse.unsqueeze(-1) if fa4_op.cudnn_lse_dims() == 4 else lse  # as the forward returned it
     qh, kh, vh, oh, dh = _heads_first(q, k, v, out, dout)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dh, qh, kh, vh, oh, lse.unsqueeze(-1) if lse_dims == 4 else lse, seed, offset, None, cum_q, cum_k,
-        q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+        dh, qh, kh, vh, oh, stats, seed, offset, None, cum_q, cum_k, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
     return _heads_first(*grads)
 
 
