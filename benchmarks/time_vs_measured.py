@@ -66,14 +66,16 @@ SUMMARY_GPU_GIB, SUMMARY_HOST_GIB = 139.7, 125.0
 def earlier_kernels(r: dict) -> bool:
     """A result measured before our fused kernels covered its model's layers: fused kernels on, yet none of its
     RMSNorms and none of its gated MLPs replaced (the trainer's surgery counts), or DeltaNet mixers without the
-    gated-norm count (the trainer before that kernel and FLA's conv). The model times them fused, so these rows
-    describe an earlier trainer and are shown apart (Gemma 3's first rows, eager `1 + weight` norms and GeGLU:
-    docs/results/windowed_current.json has its rows with the kernels; Qwen3.5's first rows:
-    qwen3.5-9b_1gpu_*_fused.json)."""
+    gated-norm count (the trainer before that kernel and FLA's conv), or DeltaNet mixers from before the mixer
+    stopped copying q, k and v twice a layer and pass (their levers predate `keep_projections`, the lever that came
+    right after: 3-4% slower than the model, which times the mixer without those copies). The model times them
+    fused, so these rows describe an earlier trainer and are shown apart (Gemma 3's first rows, eager `1 + weight`
+    norms and GeGLU: docs/results/windowed_current.json has its rows with the kernels; Qwen3.5's first rows:
+    qwen3.5-9b_16layers_h100_64k_*.json)."""
     surgery = r.get("surgery", {})
     if not r.get("levers", {}).get("fused_kernels"):
         return False
-    if "DeltaNet mixer" in surgery and "gated RMSNorm" not in surgery:
+    if "DeltaNet mixer" in surgery and ("gated RMSNorm" not in surgery or "keep_projections" not in r["levers"]):
         return True
     unfused = [surgery[k][0] == 0 < surgery[k][1] for k in ("RMSNorm", "SwiGLU") if k in surgery]
     return len(unfused) == 2 and all(unfused)

@@ -62,9 +62,9 @@ FA4_WINDOW_SHARE = 0.50
 # puts them at -1.4% and +0.9%.
 FA4_WIDE_HEAD_SHARE = 0.67
 # cuDNN's SDPA on the H200 at head_dim 256 (Qwen3.5's 8 attention layers), against its rates at 128. Fitted with
-# `deltanet_elementwise` on Qwen3.5-9B's two steps with the current kernels (65,536 and 131,072 tokens, where the
+# the first `deltanet_elementwise` on Qwen3.5-9B's two full-depth steps (65,536 and 131,072 tokens, where the
 # attention grows 4x and the rest 2x): both within 0.5%, where one rate for every head size left them at +2.2% and
-# -2.3% (and the rows before these kernels at +2.5% and -2.3%, the same lean).
+# -2.3% (and the rows before the fused gated norm at +2.5% and -2.3%, the same lean).
 SDPA_WIDE_HEAD_SHARE = 0.79
 
 
@@ -101,13 +101,13 @@ class Constants:
     its FLOPs at the same rate. Fitted on Qwen3.5-9B at 65,536 tokens on one H200 (docs/benchmarks.md): the step
     with the rule recomputed against the one with its outputs kept is one forward of it in 24 layers, 0.10 s. Far
     below the matmul ceiling: FLA's kernels are bound by the chunk's small products and the state's traffic."""
-    deltanet_elementwise: float = 1.9e-11
+    deltanet_elementwise: float = 1.0e-11
     """Seconds per token and conv channel (2 x key width + value width) of a Gated DeltaNet layer's forward work
-    around the recurrence: FLA's causal conv, the q, k, v layout copies (under SP: the all-to-all's concatenation),
-    FLA's L2 norm of q and k, the gates; the backward twice it. It runs in the recompute whether the rule's outputs
-    are kept or not. Fitted on Qwen3.5-9B's steps at 65,536 and 131,072 tokens on one H200 with the gated norm fused
-    (docs/benchmarks.md, "Qwen3.5-9B"), the recurrence's rate held. By bytes moved the listed work is a few tenths
-    of this; the rest is likely FLA's backward beyond 2.5x its forward (not yet profiled, docs/time.md)."""
+    around the recurrence: FLA's causal conv, the q, k, v layout (under SP: the all-to-all's concatenation), FLA's
+    L2 norm of q and k, the gates; the backward twice it. It runs in the recompute whether the rule's outputs are
+    kept or not. Fitted on Qwen3.5-9B at 16 of its 32 layers, 65,536 tokens, one H100, with the mixer that hands the
+    projection's own q, k, v output to the conv (docs/time.md, "Windows, chunks and linear layers"), the
+    recurrence's rate held; the full-depth H200 steps of the mixer that still copied them fitted 1.9e-11."""
     loss_tflops: float = 350.0
     """The fused loss, over 6 x tokens x vocabulary x hidden: fitted on its time in the profiled steps
     (docs/benchmarks.md, "Where the time of a step goes"; alone: "Fused loss chunk size"). Our kernel
