@@ -399,8 +399,7 @@ def test_the_fa4_op_backward_is_timed_as_the_kernel_that_runs_it():
     """At head_dim 256 on Hopper our FA4 op runs cuDNN's backward for plain causal layers (sp/fa4_op.py), unpacked:
     the model times Qwen3.5's attention layers' backward at SDPA's rate there, and at FA4's with packed documents
     (FA4's varlen op); Gemma 3's global layers go to cuDNN too, Gemma 2's softcapped ones stay FA4's."""
-    from ulysses_train.levers.policy import Levers
-    from ulysses_train.tools.time_model import Run, _cudnn_backward
+    from ulysses_train.tools.time_model import _cudnn_backward
 
     lv = Levers(offload_activations=True, keep_linear=True, fused_kernels=True, bf16_states=True)
     g = geometry(load_model_config(None, "qwen3.5-9b"))

@@ -56,7 +56,7 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal):
 
 # The cuDNN backward takes the forward's random-number state and sequence offsets even without dropout or nested
 # tensors; the placeholders of the latest forward on each device are handed back (what SDPA's own autograd does).
-# Its log-sum-exp goes back with the dims the op returns it in (fa4_op.cudnn_lse_dims: a trailing 1 in some releases).
+# Its log-sum-exp goes back with the dims the op returns it in (fa4_op.as_cudnn_stats: a trailing 1 in some releases).
 _CUDNN_EXTRAS: dict = {}
 
 
@@ -70,8 +70,7 @@ def _cudnn_forward(q, k, v, scale, causal):
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):
     seed, offset, cum_q, cum_k = _CUDNN_EXTRAS[q.device]
-    lse = lse.contiguous()
-    stats = lse.unsqueeze(-1) if fa4_op.cudnn_lse_dims() == 4 else lse  # as the forward returned it
+    stats = fa4_op.as_cudnn_stats(lse.contiguous())  # as the forward returned it
     qh, kh, vh, oh, dh = _heads_first(q, k, v, out, dout)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dh, qh, kh, vh, oh, stats, seed, offset, None, cum_q, cum_k, q.shape[1], k.shape[1], 0.0, causal, scale=scale)

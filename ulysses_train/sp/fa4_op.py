@@ -61,11 +61,16 @@ def cudnn_backward_is_faster(head_dim: int, head_dim_v: int, causal: bool, windo
 @functools.lru_cache(maxsize=None)
 def cudnn_lse_dims() -> int:
     """The dims of the log-sum-exp this PyTorch's cuDNN attention returns, and so takes back in its backward: (b, h, s,
-    1) in some releases, (b, h, s) in others; asked of the op's meta kernel once (block_kernels.py's cuDNN backward
-    reads it too)."""
+    1) in some releases, (b, h, s) in others; asked of the op's meta kernel once."""
     q = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bfloat16)
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False,
                                                               scale=1.0)[1].dim()
+
+
+def as_cudnn_stats(lse: Tensor) -> Tensor:
+    """A (b, h, s) log-sum-exp in the dims cuDNN's attention backward takes (cudnn_lse_dims); block_kernels.py's
+    cuDNN backward hands its lse back through this too."""
+    return lse.unsqueeze(-1) if cudnn_lse_dims() == 4 else lse
 
 
 def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple:
@@ -73,9 +78,8 @@ def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     log-sum-exp of the scaled scores per query row, so FA4's (b, h, s) lse is cuDNN's (b, h, s, 1) statistics.
     (b, s, h, d) tensors go in as (b, h, s, d) views; GQA native (k, v with fewer heads)."""
     unused = torch.zeros(1, dtype=torch.int64, device=q.device)  # dropout's philox seed and offset: p = 0
-    stats = lse.unsqueeze(-1) if cudnn_lse_dims() == 4 else lse
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), stats, unused, unused, None, None, None,
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), as_cudnn_stats(lse), unused, unused, None, None, None,
         q.shape[1], k.shape[1], 0.0, True, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), q.new_empty(0)
 
