@@ -47,8 +47,8 @@ def flags_of(tokens: int, steps: int, extra: list[str]) -> list[str]:
 
 def predicted(flags: list[str]) -> tuple[float, float, int]:
     """The planner's step seconds, peak GPU GiB and checkpointed layers for these flags on one H200."""
+    from ulysses_train.levers.machine_constants import Constants
     from ulysses_train.levers.policy import GiB
-    from ulysses_train.tools.machine_constants import Constants
     from ulysses_train.tools.plan_command import Machine, command, evaluate
 
     machine = Machine(1, 139.7 * GiB, 125 * GiB)

@@ -16,8 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ulysses_train.levers.machine_constants import Constants  # noqa: E402
 from ulysses_train.levers.policy import GiB  # noqa: E402
-from ulysses_train.tools.machine_constants import Constants  # noqa: E402
 from ulysses_train.tools.plan_command import Machine, command, evaluate, fastest  # noqa: E402
 
 CASES = [("qwen3-8b", 1 << 20, 8), ("qwen3-8b", 1 << 21, 16), ("qwen3-8b", 1 << 22, 32),

@@ -14,9 +14,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.time_vs_measured import FITTED, config_of, earlier_kernels, summary_rows  # noqa: E402
+from ulysses_train.levers.machine_constants import Constants  # noqa: E402
 from ulysses_train.levers.policy import GiB, Levers  # noqa: E402
 from ulysses_train.model.geometry import geometry  # noqa: E402
-from ulysses_train.tools.machine_constants import Constants  # noqa: E402
 from ulysses_train.tools.plan import estimate  # noqa: E402
 
 print("| run | tokens | sp | layers | measured peak GiB | planner GiB | error |\n|---|---|---|---|---|---|---|")

@@ -25,10 +25,10 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.dpo_data import COMPLETION as DPO_COMPLETION  # noqa: E402
 from ulysses_train.levers.policy import Levers  # noqa: E402
+from ulysses_train.levers.time_model import Constants, Run, step_time  # noqa: E402
 from ulysses_train.model.build import load_model_config  # noqa: E402
 from ulysses_train.model.geometry import geometry  # noqa: E402
 from ulysses_train.tools.preference_plan import pair_documents, preference_step_time  # noqa: E402
-from ulysses_train.tools.time_model import Constants, Run, step_time  # noqa: E402
 
 # the data of the packed runs (docs/benchmarks.md, "SFT on packed conversations")
 SFT_DATA_ARGS = ["--count", "12", "--min_chars", "30000", "--max_chars", "120000"]

@@ -306,11 +306,11 @@ def test_the_planner_counts_what_lora_changes(capsys):
 
     from ulysses_train.levers.memory import NF4_BYTES
     from ulysses_train.levers.policy import Levers
+    from ulysses_train.levers.time_model import Run, step_time
     from ulysses_train.model.adapters import AdapterSpec, adapter_geometry
     from ulysses_train.model.build import load_model_config
     from ulysses_train.model.geometry import geometry
     from ulysses_train.tools.plan import estimate, main
-    from ulysses_train.tools.time_model import Run, step_time
 
     config = load_model_config(None, "qwen3-0.6b")
     full = geometry(config)

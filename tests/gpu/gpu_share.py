@@ -35,7 +35,7 @@ def _plan(train_argv: list[str], seq_len: int):
     GPU, the model's geometry)."""
     import torch
 
-    from ulysses_train.tools.machine_constants import Constants
+    from ulysses_train.levers.machine_constants import Constants
     from ulysses_train.tools.plan_command import Machine, command, evaluate
 
     machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 125 * GiB)

@@ -475,7 +475,7 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_trainers(pair_batch):
 
 @pytest.mark.slow
 def test_planner_counts_a_pair_row_and_the_reference_pass():
-    from ulysses_train.tools.machine_constants import Constants
+    from ulysses_train.levers.machine_constants import Constants
     from ulysses_train.tools.plan_command import Machine, command, evaluate
 
     machine, tokens = Machine(1, 140 * 2**30, 128 * 2**30), 65536

@@ -5,6 +5,7 @@ memory estimate counts them. A dense model (Qwen3), a Gated DeltaNet one (Qwen3.
 standing in for FLA's kernels) and a windowed one with post-norms (OLMo 3)."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -106,15 +107,15 @@ def test_the_memory_estimate_counts_the_kept_projections_as_the_offload_holds_th
 
 
 def test_the_flag_resolves_to_the_first_checkpointed_layers_and_the_planner_times_it():
-    """all is every checkpointed layer, a number at most those; auto and out-of-range values are errors naming the
-    flag; the levers' flags ask for the same again; the time model's step is shorter with them kept (their
-    matmuls leave the recompute) and the host holds their bytes."""
+    """all is every checkpointed layer, a number at most those; out-of-range values are errors naming the flag; the
+    levers' flags ask for the same again; the time model's step is shorter with them kept (their matmuls leave the
+    recompute) and the host holds their bytes."""
     from ulysses_train.errors import ConfigError
     from ulysses_train.levers.memory import estimate
     from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
+    from ulysses_train.levers.time_model import Run, step_time
     from ulysses_train.model.build import load_model_config
     from ulysses_train.model.geometry import geometry
-    from ulysses_train.tools.time_model import Run, step_time
 
     g = geometry(load_model_config(None, "qwen3.5-9b"))
     h200 = DeviceInfo.gpu(139.7, 125.0, 1)
@@ -125,14 +126,78 @@ def test_the_flag_resolves_to_the_first_checkpointed_layers_and_the_planner_time
     assert levers(keep_projections="all").keep_projections == 32
     assert levers(keep_projections="8", checkpoint_layers="3").keep_projections == 3
     assert "--keep_projections 16" in levers(keep_projections="16").flags()
-    assert "--keep_projections" not in levers().flags()
-    for bad in ("auto", "33", "-1", "some"):
+    assert "--keep_projections 0" in levers(keep_projections="0").flags()
+    for bad in ("33", "-1", "some"):
         with pytest.raises(ConfigError, match="--keep_projections"):
             levers(keep_projections=bad)
-    none, every = levers(), levers(keep_projections="all")
+    none, every = levers(keep_projections="0"), levers(keep_projections="all")
     assert step_time(Run(g, 65536, 1, 1, every, kernel="sdpa"))["total"] < \
         step_time(Run(g, 65536, 1, 1, none, kernel="sdpa"))["total"]
     assert estimate(g, 65536, 1, 1, every)["host_total"] > estimate(g, 65536, 1, 1, none)["host_total"]
+
+
+def _planned(preset: str, seq_len: int, host_gib: float = 125.0, **request):
+    """The planner's levers (the trainer's: tests/unit/test_policy.py) for `preset` on one H200 with the offload."""
+    from ulysses_train.levers.policy import LeverRequest
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.model.geometry import geometry
+    from ulysses_train.tools.plan import levers_for
+
+    g = geometry(load_model_config(None, preset))
+    return g, levers_for(LeverRequest(offload_activations=True, **request), g, seq_len, 1, 1, 139.7 * 2**30,
+                         host_gib * 2**30, {"zero_stage": 3, "bf16_states": True})
+
+
+@pytest.mark.parametrize("seq_len,host_gib", [(65536, 125.0), (65536, 60.0), (131072, 125.0)])
+def test_auto_keeps_the_fastest_count_that_fits(seq_len, host_gib):
+    """`--keep_projections auto` (the default) on a GPU: of none and a quarter, half, three quarters or all of the
+    checkpointed layers, the count with the shortest step by the time model among those whose whole plan stays
+    under 80% of the device and the host, and none where that saves under 1%; its reason names the choice. Qwen3.5-9B
+    with the offload on one H200: all 32 at 64k (the step 2.7% shorter), fewer or none where the host is smaller or
+    the sequence longer."""
+    from ulysses_train.levers.memory import estimate, fits
+    from ulysses_train.levers.policy import KEEP_PLAN_FRACTION, KEEP_PROJECTIONS_MIN_GAIN
+    from ulysses_train.levers.time_model import Run, step_time
+
+    g, auto = _planned("qwen3.5-9b", seq_len, host_gib)
+
+    def seconds(k):
+        return step_time(Run(g, seq_len, 1, 1, dataclasses.replace(auto, keep_projections=k)))["total"]
+
+    def room(k):
+        return fits(estimate(g, seq_len, 1, 1, dataclasses.replace(auto, keep_projections=k)), 139.7 * 2**30,
+                    host_gib * 2**30, KEEP_PLAN_FRACTION, host_share=KEEP_PLAN_FRACTION)
+    fitting = [k for k in (8, 16, 24, 32) if room(k)]
+    best = min(fitting, key=seconds, default=0)
+    expected = best if fitting and seconds(best) <= (1 - KEEP_PROJECTIONS_MIN_GAIN) * seconds(0) else 0
+    assert auto.keep_projections == expected, auto.why["keep_projections"]
+    assert auto.why["keep_projections"].startswith(f"auto: {expected} of 32" if expected else "auto: none")
+    if (seq_len, host_gib) == (65536, 125.0):
+        assert expected == 32 and seconds(32) < 0.98 * seconds(0)
+    else:  # the host's room bounds it
+        assert expected < 32 and not room(32)
+
+
+def test_auto_keeps_none_without_a_gpu_a_measured_estimate_or_projections():
+    """auto keeps none on the CPU, in a family whose memory estimate is not measured (Gemma 3), where no layer is
+    checkpointed, and where the model has no projections to keep (Qwen2's are biased); a number is kept as given."""
+    from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
+    from ulysses_train.model.build import load_model_config
+    from ulysses_train.model.geometry import geometry
+
+    g = geometry(load_model_config(None, "qwen3.5-9b"))
+    cpu = resolve_levers(LeverRequest(), g, 4096, 4, DeviceInfo("cpu", 2**34, 2**34))
+    assert cpu.keep_projections == 0 and cpu.why["keep_projections"] == "auto: none (the CPU)"
+    _, gemma = _planned("gemma3-4b", 65536)
+    assert gemma.keep_projections == 0 and "no memory estimate measured" in gemma.why["keep_projections"]
+    _, whole = _planned("qwen3.5-9b", 65536, checkpoint_layers="0")
+    assert whole.keep_projections == 0 and "keep_projections" not in whole.why
+    _, given = _planned("qwen3.5-9b", 65536, keep_projections="5")
+    assert given.keep_projections == 5 and "keep_projections" not in given.why
+    qwen2 = geometry(any_tiny_config("qwen2"))
+    biased = resolve_levers(LeverRequest(), qwen2, 4096, 2, DeviceInfo.gpu(139.7, 125.0, 1), fits=lambda *a, **k: True,
+                            seconds=lambda levers: 1.0)
+    assert biased.keep_projections == 0 and "no input projections" in biased.why["keep_projections"]
 
 
 FAMILY_NAMES = ["qwen3", "llama", "qwen2", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "gemma4_text", "olmo3",

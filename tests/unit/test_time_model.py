@@ -7,11 +7,11 @@ import json
 import pytest
 
 from tests.models import any_tiny_config, qwen2_28_heads_config, tiny_config
+from ulysses_train.levers.machine_constants import AttentionRates, Constants, ElementwiseCosts
 from ulysses_train.levers.policy import GiB, LeverRequest, Levers, resolve_levers
+from ulysses_train.levers.time_model import Run, step_time
 from ulysses_train.model.build import load_model_config
 from ulysses_train.model.geometry import Span, geometry
-from ulysses_train.tools.machine_constants import AttentionRates, Constants, ElementwiseCosts
-from ulysses_train.tools.time_model import Run, step_time
 
 ONES = ElementwiseCosts(*(1e-12,) * 6)
 ROUND = Constants(matmul_tflops=100.0, attention={"flash_attn_4": AttentionRates(fwd=50.0, bwd=40.0)},
@@ -240,7 +240,7 @@ def test_gemma3_like_attention_by_hand():
 
 def test_window_pairs_grow_as_sequence_times_window():
     """Past the window the pairs grow by w per token: O(s x w), where full attention grows as s^2 / 2."""
-    from ulysses_train.tools.attention_pairs import causal_pairs
+    from ulysses_train.levers.attention_pairs import causal_pairs
 
     window = Span("window", 1024)
     assert causal_pairs(4096, window) == sum(min(t + 1, 1024) for t in range(4096))
@@ -254,7 +254,7 @@ def test_fa4_window_counts_whole_tiles():
     walk over every query tile, and a layer of Gemma-like heads (head_dim 256: forward tiles of 128 rows shared by
     2 query heads a KV head, so 64 positions, by 64 keys; backward 64 x 48) at the window share and the wide-head
     share of the rates."""
-    from ulysses_train.tools.attention_pairs import fa4_tiles, kernel_window_pairs
+    from ulysses_train.levers.attention_pairs import fa4_tiles, kernel_window_pairs
 
     def walk(n, w, rows, cols):
         pairs = 0
@@ -336,7 +336,7 @@ def test_a_deltanet_layer_adds_its_gated_norm_and_the_work_around_its_recurrence
     (4 heads x 12: a norm and a gated product, forward and backward, at the fused or eager costs) and its conv,
     copies and gates over the conv channels (2 x 2 x 8 + 4 x 12 = 80) at `deltanet_elementwise`, the backward twice
     the forward; `--fused_kernels off` times the norm at the eager costs."""
-    from ulysses_train.tools.time_model import _elementwise
+    from ulysses_train.levers.time_model import _elementwise
 
     g = _tiny("qwen3_5_text", num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=12)
@@ -399,7 +399,7 @@ def test_the_fa4_op_backward_is_timed_as_the_kernel_that_runs_it():
     """At head_dim 256 on Hopper our FA4 op runs cuDNN's backward for plain causal layers (sp/fa4_op.py), unpacked:
     the model times Qwen3.5's attention layers' backward at SDPA's rate there, and at FA4's with packed documents
     (FA4's varlen op); Gemma 3's global layers go to cuDNN too, Gemma 2's softcapped ones stay FA4's."""
-    from ulysses_train.tools.time_model import _cudnn_backward
+    from ulysses_train.levers.time_model import _cudnn_backward
 
     lv = Levers(offload_activations=True, keep_linear=True, fused_kernels=True, bf16_states=True)
     g = geometry(load_model_config(None, "qwen3.5-9b"))

@@ -1,6 +1,6 @@
 """What a decoder layer that is not checkpointed (`--checkpoint_layers N` leaves the last layers so) keeps for its
 backward, per rank: the memory estimate's term for those layers (levers/memory.py) and the saving the time model books
-for them (tools/time_model.py: no recompute).
+for them (levers/time_model.py: no recompute).
 
 Counted op by op through a Qwen3/Llama layer as transformers runs it under our levers, in elements per token of the
 rank (b bytes each, the activation dtype):

@@ -38,6 +38,9 @@ KEEP_PLAN_FRACTION = 0.8
 # working set, the part of the estimate counted op by op (within 3.4% on the H200, docs/memory.md), and the kept
 # outputs are judged first, so the two together are held to this share
 UNTILE_PLAN_FRACTION = 0.85
+# --keep_projections auto keeps projections only for at least this share of the step by the time model: smaller
+# gains are within what it misses between two lever sets (its one measured gain, 2.4%, it predicted to 0.01 s)
+KEEP_PROJECTIONS_MIN_GAIN = 0.01
 # Only for the families whose memory estimate is measured (their record's `estimate_measured`: on the H200 within 6%,
 # docs/memory.md; op by op on the CPU, tests/unit/test_plan.py) do the two rules above spend memory on the estimate's
 # word (Gemma 3's peaks are 15-27% over it)
@@ -60,7 +63,7 @@ class LeverRequest:
     checkpoint_layers: str = "all"  # all, auto, or a number of layers
     gpu_checkpoints: str = "auto"  # with the offload: auto, all, or how many checkpoints stay on the GPU
     checkpoint_every: str = "auto"  # auto, or K: only every K-th layer holds a checkpoint (levers/placement.py)
-    keep_projections: str = "0"  # all, or how many checkpointed layers keep their projections' outputs
+    keep_projections: str = "auto"  # auto, all, or how many checkpointed layers keep their projections' outputs
     adapter_dropout: float = 0.0  # --lora_dropout under --use_peft: random masks a recompute must repeat
 
     @classmethod
@@ -144,7 +147,7 @@ class Levers:
                          f"{self.checkpoint_every}")
         elif self.checkpointing and self.checkpoint_every > 1:
             flags.append(f"--checkpoint_every {self.checkpoint_every}")
-        if self.keep_projections:
+        if self.checkpointing:  # given as a number: under auto it depends on the machine's memory
             flags.append(f"--keep_projections {self.keep_projections}")
         flags.append(f"--tiled_mlp {'on' if self.tiled_mlp else 'off'}")
         if not self.fused_kernels:
@@ -321,28 +324,71 @@ def _checkpoint_layers(levers: Levers, request: LeverRequest, layers: int, devic
 
 
 def _keep_projections(levers: Levers, value: str, layers: int) -> Levers:
-    """`--keep_projections`: all, or how many checkpointed layers (the first ones) keep their projections' outputs
-    (levers/projections.py), at most the checkpointed ones. No `auto` yet: measured once (Qwen3.5-9B at half depth,
-    64k, one H100: 2.4% faster for 24 GiB of host memory, as the time model predicts: docs/time.md), it is to pick
-    the count the model finds fastest within the host's room."""
+    """`--keep_projections` as a number or all: how many checkpointed layers (the first ones) keep their projections'
+    outputs (levers/projections.py), at most the checkpointed ones. auto is judged last
+    (_keep_projections_where_faster): here it keeps none."""
+    if value == "auto":
+        return levers
     if value != "all" and not (str(value).isdigit() and int(value) <= layers):
-        raise ConfigError(f"--keep_projections takes all or a number from 0 to {layers} (the model's layers), got "
-                          f"{value!r} (no auto yet)")
+        raise ConfigError(f"--keep_projections takes auto, all or a number from 0 to {layers} (the model's layers), "
+                          f"got {value!r}")
     n = layers if value == "all" else int(value)
     return dataclasses.replace(levers, keep_projections=min(n, levers.checkpointed(layers)))
 
 
+def _keep_projections_where_faster(levers: Levers, request: LeverRequest, g: dict, device: DeviceInfo,
+                                   fits: Optional[Callable[..., bool]],
+                                   seconds: Optional[Callable[[Levers], float]]) -> Levers:
+    """`--keep_projections auto` on the GPU: of none and the first 1/4, 1/2, 3/4 or all of the checkpointed layers,
+    the count the time model (`seconds`: levers/time_model.py) finds fastest, among those with which the planner's
+    estimate of the whole run stays under KEEP_PLAN_FRACTION of the device and of the host (with the offload the
+    kept outputs go to the host: a fast host side copy, hidden behind the layer's forward while it is shorter). Judged
+    after every other lever, on what they leave: per byte the projections save the least (a matmul's forward
+    against an attention kernel's or a layer's whole recompute). Kept only for a gain of KEEP_PROJECTIONS_MIN_GAIN
+    or more: below it the time model's error is larger than the gain, and the bytes are not free."""
+    if request.keep_projections != "auto" or not levers.checkpointing:
+        return levers
+    n = levers.checkpointed(g["layers"])
+    widths = any(shape.input_projection_width for shape in g["layer_shapes"][:n])
+    reason = ("the CPU" if device.type != "cuda" else "no input projections to keep" if not widths
+              else "no memory estimate measured for this family" if fits is None or seconds is None else "")
+    if reason:
+        return dataclasses.replace(levers, why={**levers.why, "keep_projections": f"auto: none ({reason})"})
+    base = seconds(levers)
+    best, best_s = levers, base
+    counts = sorted({max(1, round(n * q)) for q in (0.25, 0.5, 0.75, 1.0)})
+    for k in counts:
+        candidate = dataclasses.replace(levers, keep_projections=k)
+        if fits(candidate, KEEP_PLAN_FRACTION, host_share=KEEP_PLAN_FRACTION):
+            s = seconds(candidate)
+            best, best_s = (candidate, s) if s < best_s else (best, best_s)
+    gain = 1 - best_s / base
+    if not fits(dataclasses.replace(levers, keep_projections=counts[0]), KEEP_PLAN_FRACTION,
+                host_share=KEEP_PLAN_FRACTION):
+        best, verdict = levers, (f"none: with {counts[0]} layers' the whole plan is over {KEEP_PLAN_FRACTION:.0%} of "
+                                 f"the device or the host")
+    elif gain < KEEP_PROJECTIONS_MIN_GAIN:
+        best, verdict = levers, (f"none: the fastest that fits saves {100 * gain:.2f}% by the time model, under "
+                                 f"{100 * KEEP_PROJECTIONS_MIN_GAIN:.0f}%")
+    else:
+        verdict = (f"{best.keep_projections} of {n} checkpointed layers: {base - best_s:.2f} s ({100 * gain:.1f}%) "
+                   f"faster by the time model, under {KEEP_PLAN_FRACTION:.0%} of the device and host")
+    return dataclasses.replace(best, why={**levers.why, "keep_projections": f"auto: {verdict}"})
+
+
 def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, device: DeviceInfo,
-                   ds_choices: Optional[dict] = None, fits: Optional[Callable[..., bool]] = None) -> Levers:
+                   ds_choices: Optional[dict] = None, fits: Optional[Callable[..., bool]] = None,
+                   seconds: Optional[Callable[[Levers], float]] = None) -> Levers:
     """The levers of a run: `g` is the model geometry (model/geometry.py), `tokens` what one rank holds of a
     micro-batch (micro x seq_len / sp), `act_bytes` the activation dtype's size, `ds_choices` what the DeepSpeed
     config fixes (tools/plan.py: ds_config_choices), `fits(levers, share=0.95)` whether given levers fit the
     device within that share of its memory (the planner's estimate, levers/memory.py: fits_on; with `host=False`
     the GPU alone), for `--checkpoint_layers auto`, `--gpu_checkpoints auto` and `--checkpoint_every auto`, and for
-    `--attn_recompute auto` and `--tiled_mlp auto` in the families whose memory estimate is measured. Where checkpoints
-    go is judged last: the levers that save time (fewer checkpointed layers, kept outputs, a whole MLP) take the GPU's
-    memory first, the checkpoints kept on the GPU what is left (they save host memory and copies, hidden behind
-    compute anyway)."""
+    `--attn_recompute auto`, `--tiled_mlp auto` and `--keep_projections auto` in the families whose memory estimate is
+    measured, and `seconds(levers)` the time model's step (levers/time_model.py: seconds_on) for `--keep_projections
+    auto` (without it that keeps none). Where checkpoints go is judged last: the levers that save time (fewer
+    checkpointed layers, kept outputs, a whole MLP) take the GPU's memory first, the checkpoints kept on the GPU what
+    is left (they save host memory and copies, hidden behind compute anyway)."""
     ds_choices = ds_choices or {}
     why = {}
     offload = request.offload_activations and device.type == "cuda"
@@ -375,7 +421,8 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     levers = _keep_attention_where_the_plan_fits(levers, request, device, room)
     if request.checkpoint_layers != "auto":  # after the kept outputs, which save more where both do not fit
         levers = _untile_where_the_plan_fits(levers, request, device, room)
-    levers = _keep_linear_where_the_plan_fits(levers, request, device, room)  # the least saved per byte: last
+    levers = _keep_linear_where_the_plan_fits(levers, request, device, room)
+    levers = _keep_projections_where_faster(levers, request, g, device, room, seconds)  # the least saved per byte
     return segment_checkpoints(levers, request.checkpoint_every, request.gpu_checkpoints, g["layers"],
                                device.type == "cuda", fits)
 

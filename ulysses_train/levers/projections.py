@@ -8,7 +8,7 @@ the hidden state saves the same time per byte (about 6 ms a GB on an H100 at cuB
 bytes cross PCIe in the forward, beside the layer's checkpoint, at about 18 ms a GB: a layer can keep what its own
 forward hides. The mixer's input projections (attention's q, k, v; a Gated DeltaNet layer's q, k, v, z, b, a; not
 where they have biases: mark_projections says why) fit that (Qwen3.5-9B at 64k: 1.6 GB a layer, 29 ms of copies
-under a 58 ms forward, by tools/time_model.py); the MLP's gate and up (3.2 GB a layer) do not, nor everything
+under a 58 ms forward, by levers/time_model.py); the MLP's gate and up (3.2 GB a layer) do not, nor everything
 (5.2 GB: the copies would take twice the forward).
 
 How: a forward hook pair on each such nn.Linear marks the thread as inside a kept projection; the checkpoint's

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .machine_constants import AttentionRates, Constants
+from ..levers.machine_constants import AttentionRates, Constants
 
 # the layers' linear layers ran at 88-92% of the square-matmul ceiling in the profiled H200 steps, and the fused loss
 # (LM-head matmuls with the softmax between) at 43% of it with our kernel and 67% with Liger-Kernel's

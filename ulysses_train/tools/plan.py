@@ -25,6 +25,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..levers.memory import CUDA_OVERHEAD, estimate, fits, fits_on
 from ..levers.policy import DeviceInfo, GiB, LeverRequest, Levers, resolve_levers
+from ..levers.time_model import seconds_on
 from ..model.geometry import geometry
 from ..sp.layout import Layout, LayoutFlags, Target, layout_or_refusal, resolve_layout
 from ..train.config.ds_config import lever_choices
@@ -67,7 +68,8 @@ def levers_for(request: LeverRequest, g: dict, seq_len: int, gpus: int, sp: int,
     """What the trainer would resolve for these flags on the planned machine (the same policy call)."""
     zero_stage = (ds_choices or {}).get("zero_stage", 3)
     return resolve_levers(request, g, micro * math.ceil(seq_len / sp), 2, planned_device(gpus, gpu_mem, host_mem),
-                          ds_choices, fits_on(g, seq_len, gpus, sp, gpu_mem, host_mem, zero_stage, micro))
+                          ds_choices, fits_on(g, seq_len, gpus, sp, gpu_mem, host_mem, zero_stage, micro),
+                          seconds_on(g, seq_len, gpus, sp, zero_stage, micro))
 
 
 def _ladder(g: dict, seq_len: int, gpus: int, sp: int, gpu_mem: float, host_mem: float,
@@ -163,8 +165,8 @@ def ring_flag(ring: int) -> str:
 
 def predicted_time(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, ds_choices: Optional[dict],
                    constants: Optional[str]) -> str:
-    """One line: the time model's step time for this plan (tools/time_model.py; FlashAttention-4)."""
-    from .time_model import Constants, Run, step_time
+    """One line: the time model's step time for this plan (levers/time_model.py; FlashAttention-4)."""
+    from ..levers.time_model import Constants, Run, step_time
 
     run = Run(g, seq_len, gpus, sp, levers, zero_stage=(ds_choices or {}).get("zero_stage", 3))
     t = step_time(run, Constants.load(constants))

@@ -3,7 +3,7 @@
 The flags go through the trainer's own parser (train/config/flag_parser.py), DeepSpeed config reconciliation
 (train/config/ds_config.py) and lever resolution (train/run/trainer.py: run_levers, the policy of levers/policy.py), for
 the planned machine, so the plan is of the run those flags start. It prints that run's memory (tools/plan.py) and step
-time (tools/time_model.py). With `--fastest` it searches, on the same GPUs (and nodes, 8 GPUs a node), the SP size,
+time (levers/time_model.py). With `--fastest` it searches, on the same GPUs (and nodes, 8 GPUs a node), the SP size,
 the levers (kept attention, the offload, the tiled MLP, the optimizer on the GPU or the CPU), how many layers to
 checkpoint and the micro-batch (micro x accumulation held at what the flags give), for the least time per sequence
 among the plans that fit. What it keeps as given: the model, the length, the kernel, the loss, the optimizer states'
@@ -23,11 +23,11 @@ from typing import Optional
 from ..errors import ConfigError
 from ..levers.memory import estimate, fits, fits_on
 from ..levers.policy import DeviceInfo, GiB, Levers, resolve_levers
+from ..levers.time_model import Constants, Run, seconds_on, step_time
 from ..model.build import load_model_config
 from ..sp import dims
 from ..sp.layout import Layout, Target, resolve_layout
 from .preference_plan import pair_documents, preference_step_time, report_lines
-from .time_model import Constants, Run, step_time
 
 TOP = 5  # plans --fastest prints
 
@@ -85,7 +85,7 @@ class Plan:
     accum: int
     levers: Levers
     memory: dict  # tools/plan.py estimate
-    time: dict  # tools/time_model.py step_time
+    time: dict  # levers/time_model.py step_time
     fits: bool
     per_sequence: float  # step seconds per sequence trained
 
@@ -170,8 +170,9 @@ def fastest(c: Command, machine: Machine, constants: Constants, sp_sizes: Option
     for sp, micro, request, choices in candidates(c, machine, sp_sizes):
         fits_here = fits_on(c.g, c.cfg.data.seq_len, machine.gpus, sp, machine.gpu_mem, machine.host_mem, c.zero_stage,
                             micro, c.act_bytes, **_estimate_settings(c, sp))
+        seconds = seconds_on(c.g, c.cfg.data.seq_len, machine.gpus, sp, c.zero_stage, micro, c.act_bytes, constants)
         levers = resolve_levers(request, c.g, micro * math.ceil(c.cfg.data.seq_len / sp), c.act_bytes, machine.device(),
-                                choices, fits_here)
+                                choices, fits_here, seconds)
         key = (sp, micro, levers)
         if key in seen:
             continue

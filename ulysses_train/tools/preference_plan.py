@@ -6,7 +6,7 @@ flags allow, two sides of --max_length (default --seq_len / 2), the rest of the 
 the same length:
 
 - attention: two documents of --max_length attend within themselves, half the query-key pairs of one sequence of
-  twice the length (tools/time_model.py counts the pairs per document);
+  twice the length (levers/time_model.py counts the pairs per document);
 - the head (levers/preference_loss.py) makes the logits twice: 8 x T x vocabulary x hidden FLOPs at our loss's
   rate instead of 6 (Liger's loss does not run for pairs), and holds the scored rows' hidden states and their
   gradient beside the full ones: counted as if every token were scored (it runs on the completions' tokens only,
@@ -21,7 +21,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from .time_model import Constants, Run, forward_time, step_time
+from ..levers.time_model import Constants, Run, forward_time, step_time
 
 
 def pair_documents(seq_len: int, max_length: int, micro: int) -> tuple:

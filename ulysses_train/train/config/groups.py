@@ -337,11 +337,13 @@ class LeverConfig(Settings):
                                "regenerated in the backward by running their segment forward again (K - 1 layer "
                                "forwards per segment). auto: 1, or with --offload_activations on a GPU the smallest K "
                                "with which GPU and host hold the checkpoints.")
-    keep_projections: str = _f("0", "How many checkpointed layers, the first ones, keep their token mixer's input "
+    keep_projections: str = _f("auto", "How many checkpointed layers, the first ones, keep their token mixer's input "
                                "projections' outputs (q, k, v; a DeltaNet layer's q, k, v, z, b, a) so their "
-                               "recompute skips those matmuls: all or a number (0: none). Each costs those widths x "
-                               "tokens x 2 bytes, where the layer's checkpoint goes (the host with "
-                               "--offload_activations).")
+                               "recompute skips those matmuls: all, a number (0: none), or auto: on a GPU, the "
+                               "count the time model finds fastest (by a hundredth of the step or more) within four "
+                               "fifths of the device and the host, in the families whose memory estimate is "
+                               "measured. Each costs those widths x tokens x 2 bytes, where the layer's checkpoint "
+                               "goes (the host with --offload_activations).")
 
 
 @dataclass

@@ -33,6 +33,7 @@ from ...levers.offload import HostOffload
 from ...levers.policy import DeviceInfo, Levers, resolve_levers
 from ...levers.preference_loss import PreferenceLMWithSPLoss
 from ...levers.rope import configure_rope
+from ...levers.time_model import seconds_on
 from ...model.adapters import AdapterSpec, adapter_geometry, add_adapters, check_4bit, quantization_config
 from ...model.buffers import restore_fp32_buffers
 from ...model.build import build_model, load_model_config, model_config_values
@@ -128,7 +129,10 @@ def run_levers(cfg: TrainConfig, model_config, ds: dict, layout: Layout, device:
     # the planner's memory estimate: how many layers `--checkpoint_layers auto` checkpoints, and whether
     # `--attn_recompute auto` can keep the attention outputs
     fits = fits_with(run_estimate(cfg, model_config, ds, layout, g), device.memory_bytes, device.host_memory_bytes)
-    return resolve_levers(cfg.lever_request(), g, local_tokens, act_bytes, device, choices, fits)
+    # the time model's step: how many layers `--keep_projections auto` keeps their projections in
+    seconds = seconds_on(g, cfg.data.seq_len, layout.world_size, layout.sp_size, choices.get("zero_stage", 3), micro,
+                         act_bytes)
+    return resolve_levers(cfg.lever_request(), g, local_tokens, act_bytes, device, choices, fits, seconds)
 
 
 class Trainer:

@@ -2,12 +2,11 @@
 into FLOPs. Exact for full causal attention and for a sliding window (the sum of min(t + 1, w) over positions), and
 at the granularity of a tiled kernel's whole tiles for FlashAttention-4's windows, whose ragged ends cost whole
 tiles (`kernel_window_pairs`, from FA4's SM90 tile table). Chunked attention is causal attention within each chunk
-(`chunk_pieces`). Pure arithmetic on lengths and tile sizes: no model, no machine.
+(`chunk_pieces`). Pure arithmetic on lengths and tile sizes: no model, no machine (a `span` is a layer's Span,
+model/geometry.py: its window and chunk read).
 """
 
 from __future__ import annotations
-
-from ..model.geometry import Span
 
 
 def chunk_pieces(lengths, chunk: int) -> list[int]:
@@ -23,7 +22,7 @@ def chunk_pieces(lengths, chunk: int) -> list[int]:
     return pieces
 
 
-def causal_pairs(n: int, span: Span) -> float:
+def causal_pairs(n: int, span) -> float:
     """Query-key pairs a causal kernel computes for one document of `n` tokens: n^2 / 2 for full attention (the
     half of the square the rates are counted on); under a window of w keys the query at position t sees
     min(t + 1, w), summed exactly: w (w + 1) / 2 + (n - w) w. A window at least as long as the document is full

@@ -32,6 +32,10 @@ reading and writing its activations (`_lora_seconds`). Not measured against a GP
 compute stream and is not overlapped. Rates and bandwidths are `Constants` (machine_constants.py): H200 defaults
 fitted to the steps measured in docs/results (benchmarks/time_vs_measured.py prints the comparison; docs/time.md
 has it), or measured on the current machine by `python -m ulysses_train.plan --calibrate FILE` (tools/calibrate.py).
+
+It sits beside the memory estimate (memory.py) because the lever policy decides by both (`seconds_on`). A `shape`
+here is a layer's LayerShape, a `span` its mixer's Span (model/geometry.py, a layer above: their fields are read,
+the module is not imported).
 """
 
 from __future__ import annotations
@@ -43,16 +47,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..families import FAMILIES
-from ..levers.memory import NF4_BYTES
-from ..levers.placement import LayerPlace, layer_places
-from ..levers.policy import Levers, kept_output_bytes, projection_bytes, projection_features
-from ..model.geometry import LayerShape, Span
 from ..sp.fa4_op import cudnn_backward_is_faster
 from ..sp.gated_delta_op import CHUNK as FLA_CHUNK  # the chunk of FLA's gated delta rule
 from .attention_pairs import causal_pairs, chunk_pieces, fa4_tiles, kernel_window_pairs
 from .machine_constants import KERNELS, Constants
+from .memory import NF4_BYTES
+from .placement import LayerPlace, layer_places
+from .policy import Levers, kept_output_bytes, projection_bytes, projection_features
 
-__all__ = ["KERNELS", "Constants", "Run", "forward_time", "optimizer_seconds", "step_time"]
+__all__ = ["KERNELS", "Constants", "Run", "forward_time", "optimizer_seconds", "seconds_on", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def _documents(run: Run) -> tuple:
     return run.docs or tuple((run.seq_len,) for _ in range(run.micro))
 
 
-def _window_pairs(n: int, span: Span, run: Run, shape: LayerShape, backward: bool) -> float:
+def _window_pairs(n: int, span, run: Run, shape, backward: bool) -> float:
     """Query-key pairs of one document in one pass of a layer: FA4's tile-granular count for a window (its SM90
     tiles, `fa4_tiles`; the forward's query rows shared by the heads of a KV head), the exact count otherwise."""
     if span.kind != "window" or run.kernel != "flash_attn_4":
@@ -89,7 +92,7 @@ def _window_pairs(n: int, span: Span, run: Run, shape: LayerShape, backward: boo
     return kernel_window_pairs(n, span.size, max(1, fr // pack), fc)
 
 
-def _attention_flops(run: Run, shape: LayerShape, backward: bool = False) -> float:
+def _attention_flops(run: Run, shape, backward: bool = False) -> float:
     """Forward FLOPs of one layer's attention on one rank (`backward`: over the pairs the backward's tiles cover,
     still counted as forward FLOPs): the score and value products, 2 FLOPs each per query-key pair and unit of
     width (the layer's heads x head_dim), for its heads/sp over every sequence of the batch."""
@@ -163,7 +166,7 @@ def _elementwise(run: Run, c: Constants, t: int, moe: bool, deltanet: Optional[d
     return fwd, bwd, t * swi_w * swi.swiglu_fwd
 
 
-def _mixer_seconds(run: Run, c: Constants, shape: LayerShape) -> tuple[float, float]:
+def _mixer_seconds(run: Run, c: Constants, shape) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's token mixer: its attention kernel over the layer's span (a window at
     the kernel's window share, heads past 128 at its wide-head share), or the DeltaNet recurrence; the backward 2.5
     times the forward's FLOPs (measured for attention, assumed for DeltaNet)."""
@@ -181,7 +184,7 @@ def _mixer_seconds(run: Run, c: Constants, shape: LayerShape) -> tuple[float, fl
     return fwd / (rates.fwd * share * 1e12), 2.5 * bwd / (back.bwd * back_share * 1e12)
 
 
-def _cudnn_backward(run: Run, shape: LayerShape) -> bool:
+def _cudnn_backward(run: Run, shape) -> bool:
     """Whether our FA4 op hands this layer's backward to cuDNN (sp/fa4_op.py), on the Hopper GPUs the constants
     describe: full causal attention at head_dim 256 without a softcap or sinks, unpacked (packed documents go
     through FA4's varlen op, whose backward is FA4's own)."""
@@ -194,7 +197,7 @@ def _cudnn_backward(run: Run, shape: LayerShape) -> bool:
                                     1.0 if softcap else 0.0, sinks, (9, 0))
 
 
-def _pass(run: Run, c: Constants, shape: LayerShape) -> _Pass:
+def _pass(run: Run, c: Constants, shape) -> _Pass:
     b = run.act_bytes
     t = run.micro * math.ceil(run.seq_len / run.sp)
     rate = c.matmul_tflops * 1e12
@@ -232,7 +235,7 @@ def _lora_seconds(run: Run, c: Constants, t: int) -> tuple[float, float]:
     return t * (lin + 3 * lout) * b / hbm + flops + experts, t * (4 * lin + 2 * lout) * b / hbm + 2 * flops + experts
 
 
-def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place: Optional[LayerPlace] = None) -> dict:
+def _layer(run: Run, c: Constants, shape, checkpointed: bool, place: Optional[LayerPlace] = None) -> dict:
     """Seconds of one decoder layer on one rank: compute per part, and the wall time of its forward and backward with
     the overlapped copies and collectives; `place` (levers/placement.py): where its checkpoint is, and whether it
     runs a regenerating forward (default: every checkpointed layer saves its input, offloaded with the offload)."""
@@ -267,14 +270,14 @@ def _layer(run: Run, c: Constants, shape: LayerShape, checkpointed: bool, place:
             **({"regenerate": _regenerate_seconds(p)} if place.regenerates else {})}
 
 
-def _projection_seconds(run: Run, c: Constants, shape: LayerShape) -> float:
+def _projection_seconds(run: Run, c: Constants, shape) -> float:
     """The forward matmuls of the projections a layer keeps (policy.projection_features), at the matmul rate: what
     its recompute skips under `--keep_projections`."""
     t = run.micro * math.ceil(run.seq_len / run.sp)
     return 2 * t * sum(i * o for i, o in projection_features(run.g, shape)) / (c.matmul_tflops * 1e12)
 
 
-def _host_copy_seconds(run: Run, c: Constants, shape: LayerShape, place: LayerPlace, keep: bool) -> float:
+def _host_copy_seconds(run: Run, c: Constants, shape, place: LayerPlace, keep: bool) -> float:
     """Seconds of one direction of a layer's offload copies (PCIe per GPU, or its share of the host's bandwidth):
     its input where it holds a checkpoint, and its kept mixer outputs (policy.kept_output_bytes); 0 for a layer
     whose checkpoint stays on the GPU (`--gpu_checkpoints`). A segment's first layer on the host has its input
@@ -383,7 +386,15 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
             "overlapped": {k: v * run.accum for k, v in hidden_comm.items()}}
 
 
-def _regenerating_layer(run: Run, c: Constants, shape: LayerShape, place: LayerPlace) -> dict:
+def seconds_on(g: dict, seq_len: int, gpus: int, sp: int, zero_stage: int = 3, micro: int = 1, act_bytes: int = 2,
+               c: Constants = Constants()):
+    """This run's step time (step_time's total, FlashAttention-4) as a function of its levers: what the lever policy
+    compares candidates by (levers/policy.py: `--keep_projections auto`)."""
+    return lambda levers: step_time(Run(g, seq_len, gpus, sp, levers, micro=micro, zero_stage=zero_stage,
+                                        act_bytes=act_bytes), c)["total"]
+
+
+def _regenerating_layer(run: Run, c: Constants, shape, place: LayerPlace) -> dict:
     """`_layer` of a layer in its place, its regenerating forward (if any) booked."""
     mixer = "attention" if shape.span.attention else "linear attention"
     layer = _layer(run, c, shape, place.checkpointed, place)
