@@ -83,15 +83,16 @@ def earlier_kernels(r: dict) -> bool:
 
 def summary_rows(constants: Constants):
     """(label, summary row, measured seconds, measured GiB, the planner's Plan) for each row of SUMMARY: the
-    planner's own resolution of the row's flags on its machine (`python -m ulysses_train.plan -- <flags>`)."""
+    planner's own resolution of the row's flags on its machine (`python -m ulysses_train.plan -- <flags>`), the
+    summary's and the row's own (which pin a lever whose default has changed since the run)."""
     from ulysses_train.levers.policy import GiB
     from ulysses_train.tools.plan_command import Machine, command, evaluate
 
     summary = json.load(open(SUMMARY))
     machine = Machine(summary["gpus"], SUMMARY_GPU_GIB * GiB, SUMMARY_HOST_GIB * GiB, constants.gpus_per_node)
     for row in summary["rows"]:
-        argv = ["--model_config", row["model_config"], *summary["flags"], "--seq_len", str(row["seq_len"]),
-                "--steps", str(row["steps"])]
+        argv = ["--model_config", row["model_config"], *summary["flags"], *row.get("flags", []), "--seq_len",
+                str(row["seq_len"]), "--steps", str(row["steps"])]
         c = command(argv, machine)
         yield row["label"], dict(row, layers=c.g["layers"]), row["median_step_s"], row["peak_gpu_gib"], \
             evaluate(c, machine, constants)

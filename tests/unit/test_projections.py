@@ -136,14 +136,16 @@ def test_the_flag_resolves_to_the_first_checkpointed_layers_and_the_planner_time
     assert estimate(g, 65536, 1, 1, every)["host_total"] > estimate(g, 65536, 1, 1, none)["host_total"]
 
 
-def _planned(preset: str, seq_len: int, host_gib: float = 125.0, **request):
-    """The planner's levers (the trainer's: tests/unit/test_policy.py) for `preset` on one H200 with the offload."""
+def _planned(preset: str, seq_len: int, host_gib: float = 125.0, model_type: str = "", **request):
+    """The planner's levers (the trainer's: tests/unit/test_policy.py) for `preset` (its geometry labelled as
+    `model_type` if given) on one H200 with the offload."""
     from ulysses_train.levers.policy import LeverRequest
     from ulysses_train.model.build import load_model_config
     from ulysses_train.model.geometry import geometry
     from ulysses_train.tools.plan import levers_for
 
     g = geometry(load_model_config(None, preset))
+    g = {**g, "model_type": model_type} if model_type else g
     return g, levers_for(LeverRequest(offload_activations=True, **request), g, seq_len, 1, 1, 139.7 * 2**30,
                          host_gib * 2**30, {"zero_stage": 3, "bf16_states": True})
 
@@ -179,8 +181,9 @@ def test_auto_keeps_the_fastest_count_that_fits(seq_len, host_gib):
 
 
 def test_auto_keeps_none_without_a_gpu_a_measured_estimate_or_projections():
-    """auto keeps none on the CPU, in a family whose memory estimate is not measured (Gemma 3), where no layer is
-    checkpointed, and where the model has no projections to keep (Qwen2's are biased); a number is kept as given."""
+    """auto keeps none on the CPU, in a family whose memory estimate is not measured (Gemma 3's geometry labelled as
+    Gemma 2, where Gemma 3 itself keeps all 34), where no layer is checkpointed, and where the model has no
+    projections to keep (Qwen2's are biased); a number is kept as given."""
     from ulysses_train.levers.policy import DeviceInfo, LeverRequest, resolve_levers
     from ulysses_train.model.build import load_model_config
     from ulysses_train.model.geometry import geometry
@@ -188,8 +191,10 @@ def test_auto_keeps_none_without_a_gpu_a_measured_estimate_or_projections():
     g = geometry(load_model_config(None, "qwen3.5-9b"))
     cpu = resolve_levers(LeverRequest(), g, 4096, 4, DeviceInfo("cpu", 2**34, 2**34))
     assert cpu.keep_projections == 0 and cpu.why["keep_projections"] == "auto: none (the CPU)"
-    _, gemma = _planned("gemma3-4b", 65536)
-    assert gemma.keep_projections == 0 and "no memory estimate measured" in gemma.why["keep_projections"]
+    _, gemma3 = _planned("gemma3-4b", 65536)
+    _, unmeasured = _planned("gemma3-4b", 65536, model_type="gemma2")
+    assert gemma3.keep_projections == 34 and unmeasured.keep_projections == 0
+    assert "no memory estimate measured" in unmeasured.why["keep_projections"]
     _, whole = _planned("qwen3.5-9b", 65536, checkpoint_layers="0")
     assert whole.keep_projections == 0 and "keep_projections" not in whole.why
     _, given = _planned("qwen3.5-9b", 65536, keep_projections="5")

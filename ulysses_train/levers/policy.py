@@ -42,8 +42,8 @@ UNTILE_PLAN_FRACTION = 0.85
 # gains are within what it misses between two lever sets (its one measured gain, 2.4%, it predicted to 0.01 s)
 KEEP_PROJECTIONS_MIN_GAIN = 0.01
 # Only for the families whose memory estimate is measured (their record's `estimate_measured`: on the H200 within 6%,
-# docs/memory.md; op by op on the CPU, tests/unit/test_plan.py) do the two rules above spend memory on the estimate's
-# word (Gemma 3's peaks are 15-27% over it)
+# docs/memory.md; op by op on the CPU, tests/unit/test_plan.py) do these rules spend memory on the estimate's word
+# (Gemma 3's peaks were 15-27% over it before our fused kernels ran its norms and MLP; within 5% since)
 
 
 @dataclass(frozen=True)
@@ -430,14 +430,17 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
 def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
                                         fits: Optional[Callable[..., bool]]) -> Levers:
     """`--attn_recompute auto` on the GPU also keeps the outputs when the planner's estimate of the whole run with
-    them is under KEEP_PLAN_FRACTION of the device, though they take more than KEEP_DEVICE_FRACTION of it (Qwen3-8B
-    LoRA at 131k: 36.6 GiB kept, 105 GiB planned of 140). Judged on the layers the run checkpoints (a number of them
-    leaves the others' whole activations beside the kept outputs). With `--checkpoint_layers auto` the search for
-    the fewest checkpointed layers spends that memory instead, as it always has."""
+    them is under KEEP_PLAN_FRACTION of the device and of the host, though they take more than KEEP_DEVICE_FRACTION
+    of the device (Qwen3-8B LoRA at 131k: 36.6 GiB kept, 105 GiB planned of 140) or, with the offload, more than
+    KEEP_HOST_FRACTION of the host beside the checkpoints (OLMo-3-7B at 131k: 64 GiB, 68.5 GiB planned of 125; its
+    full-attention layers' recompute is a sixth of the step). Judged on the layers the run checkpoints (a number of
+    them leaves the others' whole activations beside the kept outputs). With `--checkpoint_layers auto` the search
+    for the fewest checkpointed layers spends that memory instead, as it always has."""
     if (levers.keep_attention or not levers.checkpointing or request.attn_recompute != "auto" or fits is None
-            or device.type != "cuda" or levers.offload_activations or request.checkpoint_layers == "auto"):
+            or device.type != "cuda" or request.checkpoint_layers == "auto"):
         return levers
-    return _if_the_plan_fits(levers, "keep_attention", True, KEEP_PLAN_FRACTION, fits, "with them", "kept")
+    return _if_the_plan_fits(levers, "keep_attention", True, KEEP_PLAN_FRACTION, fits, "with them", "kept",
+                             host_share=KEEP_PLAN_FRACTION)
 
 
 def _keep_linear_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
