@@ -5,7 +5,9 @@
 #
 #     bash benchmarks/windowed_rows.sh [OUT_DIR]        # default: docs/results
 #
-# The flags are those of docs/results/windowed_current.json, the summary these runs replace.
+# The flags are those of docs/results/windowed_current.json, the summary these runs replace, without its rows' pins
+# (`--keep_projections 0`, `--tiled_mlp on` at 131k: the defaults of its date): these measure the current defaults,
+# and each result records the levers it resolved, which the two scripts plan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/results}

@@ -85,11 +85,13 @@ def sharded_run(rank, world, family, seed, loss_kind, stage, reduce_scatter=True
     return results
 
 
-def checkpointed_loss(name: str, seq: int, offload: bool = False, checkpointing: Optional[dict] = None):
+def checkpointed_loss(name: str, seq: int, offload: bool = False, checkpointing: Optional[dict] = None,
+                      adapters=None):
     """A tiny `name` model through our attention (SDPA) and, for a Gated DeltaNet family (Qwen3.5), our mixers on the
-    `fla` kernel (what tests/models.py: use_reference_deltanet_kernels makes of it on the CPU), every layer
-    checkpointed with `checkpointing` (enable_checkpointing's keyword arguments; None: not checkpointed), the fused
-    loss head: (model, its loss on `seq` tokens, not yet backpropagated, the offload's hooks or None)."""
+    `fla` kernel (what tests/models.py: use_reference_deltanet_kernels makes of it on the CPU), with `adapters` (an
+    AdapterSpec: PEFT's LoRA layers, as --use_peft injects them) if given, every layer checkpointed with
+    `checkpointing` (enable_checkpointing's keyword arguments; None: not checkpointed), the fused loss head: (model,
+    its loss on `seq` tokens, not yet backpropagated, the offload's hooks or None)."""
     from transformers import AutoModelForCausalLM
 
     from tests.models import any_tiny_config, perturb_deltanet
@@ -106,6 +108,10 @@ def checkpointed_loss(name: str, seq: int, offload: bool = False, checkpointing:
     if name == "qwen3_5_text":
         perturb_deltanet(model, 3)
         assert install_deltanet_mixers(model, None, LinearKernel("fla"), None) == 3
+    if adapters is not None:
+        from ulysses_train.model.adapters import add_adapters
+
+        add_adapters(model, adapters)
     hooks = HostOffload(min_bytes=0) if offload else None
     if checkpointing is not None:
         levers = dict(checkpointing)

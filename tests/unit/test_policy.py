@@ -323,3 +323,20 @@ def test_hybrid_models_count_kept_outputs_per_layer_type_and_keep_the_deltanet_o
     cpu = resolve_levers(LeverRequest(linear_recompute="auto"), g, 4096, 4,
                          DeviceInfo("cpu", 2**36, 2**36))
     assert cpu.keep_linear is False and "CPU" in cpu.why["keep_linear"]
+
+
+@pytest.mark.parametrize("host_gib,kept", [(125.0, True), (80.0, False)])
+def test_kept_attention_by_the_plans_room_under_the_offload(host_gib, kept):
+    """With the offload, `--attn_recompute auto` keeps the attention outputs beyond half the host (with the
+    checkpoints) where the whole plan stays under 80% of the device and of the host: OLMo-3-7B at 131k on one H200
+    with bf16 optimizer states (64.5 GiB of kept outputs and checkpoints, 68.5 GiB planned) keeps them with a 125 GiB
+    host and not with an 80 GiB one; the trainer resolves the same from the same flags."""
+    g = geometry(load_model_config(None, "olmo3-7b"))
+    flags = ["--model_config", "olmo3-7b", "--seq_len", "131072", "--offload_activations", "--ds_config",
+             "ds_configs/zero3_bf16_states.json"]
+    planned = plan.levers_for(LeverRequest(offload_activations=True), g, 131072, 1, 1, GPU_GIB * 2**30,
+                              host_gib * 2**30, {"zero_stage": 3, "bf16_states": True})
+    assert planned.keep_attention is kept
+    assert planned.why["keep_attention"].endswith(
+        "under 80% of the device and the host: kept" if kept else "over 80% of the device and the host")
+    assert _trainer_side(flags, 1, 1, host_gib=host_gib) == planned

@@ -29,9 +29,9 @@ AUTO_ON_OFF = ("auto", "on", "off")  # --tiled_mlp, --lean_norm, --fused_kernels
 TILE_ABOVE_BYTES = 2 * GiB  # --tiled_mlp auto tiles when one seq x intermediate tensor of a layer would exceed this
 KEEP_DEVICE_FRACTION = 0.15  # --attn_recompute auto keeps the outputs while they take under this much of the device
 KEEP_HOST_FRACTION = 0.5  # ... or, offloaded with the checkpoints, under this much of the host (all local ranks)
-# ... or while the planner's estimate of the whole run with them stays under this much of the device: where little
-# else is on the GPU (LoRA's frozen bf16 base, small models) the outputs can take more than KEEP_DEVICE_FRACTION and
-# still leave a fifth of the device for what the estimate misses
+# ... or while the planner's estimate of the whole run with them stays under this much of the device (and of the host,
+# where the offload puts them): where little else is on the GPU (LoRA's frozen bf16 base, small models) the outputs
+# can take more than KEEP_DEVICE_FRACTION and still leave a fifth of the device for what the estimate misses
 KEEP_PLAN_FRACTION = 0.8
 # --tiled_mlp auto leaves the MLP whole, though over TILE_ABOVE_BYTES, while the planner's estimate of the whole run
 # untiled stays under this much of the device. Higher than KEEP_PLAN_FRACTION: what untiling adds is one layer's
@@ -351,7 +351,8 @@ def _keep_projections_where_faster(levers: Levers, request: LeverRequest, g: dic
     n = levers.checkpointed(g["layers"])
     widths = any(shape.input_projection_width for shape in g["layer_shapes"][:n])
     reason = ("the CPU" if device.type != "cuda" else "no input projections to keep" if not widths
-              else "no memory estimate measured for this family" if fits is None or seconds is None else "")
+              else "no memory estimate measured for this family" if fits is None
+              else "no step time to compare by" if seconds is None else "")
     if reason:
         return dataclasses.replace(levers, why={**levers.why, "keep_projections": f"auto: none ({reason})"})
     base = seconds(levers)
@@ -413,6 +414,7 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
                     why={k: v for k, v in why.items() if v})
     # asked for by number: counted before the MLP, the layer search and the kept outputs spend the memory left
     levers = _keep_projections(levers, request.keep_projections, g["layers"])
+    levers = _placed_as_asked(levers, request, g["layers"])
     family = record_of(g.get("model_type"))
     room = fits if family is not None and family.estimate_measured else None
     if request.checkpoint_layers == "auto":  # judged before the layer search spends what is left
@@ -425,6 +427,16 @@ def resolve_levers(request: LeverRequest, g: dict, tokens: int, act_bytes: int, 
     levers = _keep_projections_where_faster(levers, request, g, device, room, seconds)  # the least saved per byte
     return segment_checkpoints(levers, request.checkpoint_every, request.gpu_checkpoints, g["layers"],
                                device.type == "cuda", fits)
+
+
+def _placed_as_asked(levers: Levers, request: LeverRequest, layers: int) -> Levers:
+    """The levers with the checkpoints placed as `--gpu_checkpoints` and `--checkpoint_every` ask where they give
+    numbers, so that the rules after it judge (and time) the run as it will be placed: kept outputs of layers whose
+    checkpoints stay on the GPU take the GPU's memory, not the host's. Under auto the rules judge every checkpoint on
+    the host, one per layer, and segment_checkpoints places them last, on what the rules leave."""
+    every = "1" if request.checkpoint_every == "auto" else request.checkpoint_every
+    on_gpu = "0" if request.gpu_checkpoints == "auto" else request.gpu_checkpoints
+    return segment_checkpoints(levers, every, on_gpu, layers, cuda=False, fits=None)
 
 
 def _keep_attention_where_the_plan_fits(levers: Levers, request: LeverRequest, device: DeviceInfo,
@@ -474,7 +486,8 @@ def _if_the_plan_fits(levers: Levers, lever: str, value: bool, fraction: float, 
     the device (and `host_share` of the host), else as they were; the reason says which."""
     changed = dataclasses.replace(levers, **{lever: value})
     under = fits(changed, fraction, host_share=host_share)
+    where = "the device" + (" and the host" if host_share < 1 else "")
     why = {**levers.why, lever: levers.why[lever] + (
-        f"; the whole plan {plan} is {'under' if under else 'over'} {fraction:.0%} of the device"
+        f"; the whole plan {plan} is {'under' if under else 'over'} {fraction:.0%} of {where}"
         f"{': ' + verdict if under else ''}")}
     return dataclasses.replace(changed if under else levers, why=why)

@@ -290,11 +290,12 @@ class LeverConfig(Settings):
                                                  "from the forward, so the recompute skips the attention kernel (costs "
                                                  "layers x seq/sp x hidden x 2 bytes; on the host with "
                                                  "--offload_activations). always: plain checkpointing. auto: keep "
-                                                 "while that takes under 15%% of the device memory or the planner's "
-                                                 "estimate of the whole run with it stays under 80%% of the device "
-                                                 "(without --checkpoint_layers auto), or with "
-                                                 "--offload_activations while it and the checkpoints take under half "
-                                                 "the host memory.")
+                                                 "while that takes under 15%% of the device memory (with "
+                                                 "--offload_activations: it and the checkpoints under half the host "
+                                                 "memory), or while the planner's estimate of the whole run with it "
+                                                 "stays under 80%% of the device and the host (without "
+                                                 "--checkpoint_layers auto; in the families whose memory estimate is "
+                                                 "measured).")
     linear_recompute: Literal[ATTN_RECOMPUTE] = _f("auto", "The Gated DeltaNet layers' --attn_recompute (Qwen3.5, "
                                                    "Qwen3-Next): never: keep the gated delta rule's output (and the "
                                                    "two tensors its backward reads, (value dim + 64) x value heads x "
