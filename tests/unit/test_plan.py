@@ -44,7 +44,13 @@ def test_components_by_hand():
     plain_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=False, gqa_native=False))["gpu"]["layer working set"]
     lean_norms = estimate(g, 1024, 4, 2, Levers(lean_norm=True, gqa_native=False))["gpu"]["layer working set"]
     assert plain_norms - lean_norms == 4 * t * (64 + 64 + 32)  # fp32 copies: input norm, q norm, k norm
-    from ulysses_train.levers.memory import ATTENTION_TENSORS, ATTENTION_TENSORS_GQA, FUSED_ROTARY_SAVING
+    from ulysses_train.levers.memory import (
+        ATTENTION_TENSORS,
+        ATTENTION_TENSORS_GQA,
+        ATTENTION_TENSORS_MHA,
+        FUSED_ROTARY_SAVING,
+        MLP_TENSORS_FUSED,
+    )
 
     wide_attention = dict(g, inter=8)  # so that attention, not the MLP, is the larger part of the layer
     expanded = estimate(wide_attention, 1024, 4, 2, Levers(gqa_native=False))["gpu"]["layer working set"]
@@ -54,12 +60,22 @@ def test_components_by_hand():
     tiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers(tiled_mlp=True))
     untiled = estimate(wide_mlp, 1 << 20, 1, 1, Levers())
     assert tiled["gpu"]["layer working set"] < untiled["gpu"]["layer working set"]
-    # the fused kernels: one (tokens x intermediate) tensor less where the MLP sets the peak, the rotary's
-    # temporaries less where attention does
+    # the fused kernels: a quarter of a (tokens x intermediate) tensor less where the MLP sets the peak (one less
+    # counted, 0.75 of the allocator's rounding fitted: MLP_TENSORS_FUSED), the rotary's temporaries less where
+    # attention does
     fused_mlp = estimate(wide_mlp, 1 << 20, 1, 1, Levers(fused_kernels=True))
-    assert untiled["gpu"]["layer working set"] - fused_mlp["gpu"]["layer working set"] == (1 << 20) * 64 * 64 * 2
+    assert untiled["gpu"]["layer working set"] - fused_mlp["gpu"]["layer working set"] == \
+        (6 - MLP_TENSORS_FUSED) * (1 << 20) * 64 * 64 * 2
     fused_attention = estimate(wide_attention, 1024, 4, 2, Levers(fused_kernels=True))["gpu"]["layer working set"]
     assert native - fused_attention == pytest.approx(FUSED_ROTARY_SAVING * t * 64 * 2)
+    # without GQA (as many KV heads as query heads) nothing is copied, and the block is its own measured count
+    mha = dict(wide_attention, kv=g["heads"], kv_width=g["attn_width"])
+    no_gqa = estimate(mha, 1024, 4, 2, Levers(gqa_native=True))["gpu"]["layer working set"]
+    assert native - no_gqa == pytest.approx((ATTENTION_TENSORS_GQA - ATTENTION_TENSORS_MHA) * t * 64 * 2)
+    # kept projections offloaded: one layer's are on the GPU again for its backward (q, k, v: 64 + 2 x 32 wide)
+    kept = estimate(g, 1024, 4, 2, Levers(offload_activations=True, keep_projections=2))["gpu"]["layer working set"]
+    plain = estimate(g, 1024, 4, 2, Levers(offload_activations=True))["gpu"]["layer working set"]
+    assert kept - plain == t * (64 + 2 * 32) * 2
 
 
 def test_loss_term_of_each_kernel_by_hand():

@@ -137,7 +137,7 @@ def test_attn_recompute_auto_keeps_the_outputs_where_the_whole_plan_leaves_room(
     argv = ["--model_config", "qwen3-8b", "--seq_len", "131072", "--rope_scaling", "yarn"]
     lora = _trainer_side(argv + ["--use_peft"], 1, 1)
     assert lora.keep_attention and "over 21.0 GiB" in lora.why["keep_attention"]
-    assert "under 80% of the device: kept" in lora.why["keep_attention"]
+    assert "under 80% of the device and the host: kept" in lora.why["keep_attention"]
     cfg, _ = parse_args(argv + ["--use_peft"])
     from ulysses_train.train.run.trainer import run_geometry
 
@@ -304,7 +304,7 @@ def test_hybrid_models_count_kept_outputs_per_layer_type_and_keep_the_deltanet_o
     levers = _trainer_side(argv, 1, 1)
     assert levers.keep_attention and "under 62.5 GiB" in levers.why["keep_attention"]
     assert levers.keep_linear and "over 62.5 GiB" in levers.why["keep_linear"]
-    assert "under 80% of the device: kept" in levers.why["keep_linear"]
+    assert "under 80% of the device and the host: kept" in levers.why["keep_linear"]
     assert "--attn_recompute never --linear_recompute never" in levers.flags()
     split = checkpoint_split(g, t, 2, levers)
     assert split["host kept"] == kept_outputs_bytes(g, t, 2) + kept_outputs_bytes(g, t, 2, attention=False)

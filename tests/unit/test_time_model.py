@@ -355,18 +355,24 @@ def test_the_time_model_against_every_measured_step(tmp_path):
     """benchmarks/time_vs_measured.py over docs/results (the table of docs/time.md): every SFT step of the fitted
     families within 3% of its H200 measurement, the packed ones step by step from their regenerated data, and the
     preference steps too, their head counted on the completion tokens it runs on (counted on every token, the
-    2 x 352k pair at 2 layers came out 22% over). The script's packed-data path had broken silently when the data
+    2 x 352k pair at 2 layers came out 22% over). The steps measured on an H100, timed with the H200's constants
+    (the same compute, another host link), within 6%: OLMo-3-7B at 131k with its copies as long as its window
+    layers' forward is 5.5% under (docs/time.md). The script's packed-data path had broken silently when the data
     loader changed; this runs it."""
     from benchmarks.time_vs_measured import FITTED, config_of, earlier_kernels, rows
 
-    errors = {}
+    errors, h100 = {}, set()
     for name, r, label, measured, predicted in rows(Constants(), str(tmp_path)):
         if config_of(r).model_type in FITTED and not earlier_kernels(r):
             errors[name, label] = predicted["total"] / measured - 1
+            if "H100" in r.get("device", ""):
+                h100.add((name, label))
     preference = {k: e for k, e in errors.items() if k[0].startswith("dpo_")}
     sft = {k: e for k, e in errors.items() if k not in preference}
     assert len(sft) >= 35 and any(label.startswith("step") for _, label in sft), sorted(sft)
-    assert all(abs(e) < 0.03 for e in sft.values()), {k: e for k, e in sft.items() if abs(e) >= 0.03}
+    assert len(h100) >= 6 and all(abs(sft[k]) < 0.06 for k in h100), {k: sft[k] for k in h100}
+    h200 = {k: e for k, e in sft.items() if k not in h100}
+    assert all(abs(e) < 0.03 for e in h200.values()), {k: e for k, e in h200.items() if abs(e) >= 0.03}
     assert len(preference) >= 3 and all(abs(e) < 0.03 for e in preference.values()), preference
 
 

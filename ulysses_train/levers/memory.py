@@ -31,8 +31,8 @@ ATTENTION_TENSORS = 16.25
 # The same block with GQA handed to the kernel as is (`enable_gqa` in bf16/fp16, and FA4), instead of k and v
 # copied to every query head: measured on the H200 at 8.5 units (131k tokens, SP=1) and 6.5
 # (1M tokens, SP=2); 7.5 is used (docs/memory.md). More than the copies themselves (k, v, dk, dv at full width,
-# 4 units): the expanded path also held cuDNN's full-width gradient buffers. Models without GQA keep 16.25
-# (not measured without the copies).
+# 4 units): the expanded path also held cuDNN's full-width gradient buffers. Models without GQA:
+# ATTENTION_TENSORS_MHA.
 ATTENTION_TENSORS_GQA = 7.5
 # Our fused rotary (--fused_kernels) writes q and k rotated in one pass, without transformers' temporaries (q * cos,
 # rotate_half's negated half and concatenation, the product with sin, and their gradients in the backward). Measured
@@ -40,6 +40,16 @@ ATTENTION_TENSORS_GQA = 7.5
 # tiled MLP), 1.29 units; 1.25 is used. The fused SwiGLU saves gate and
 # up only, not silu(gate): one (tokens x intermediate) tensor less, 42.25 -> 41.06 GiB at 64k (MLP-bound), exactly it.
 FUSED_ROTARY_SAVING = 1.25
+# The block without GQA (as many KV heads as query heads: OLMo 3), nothing copied: measured on one H100 at 131k tokens
+# with FA4, where the recomputed attention sets the peak (OLMo-3-7B at 16 layers, the tiled MLP: 45.7 GiB), at 6.5
+# units; it keeps 64k's full-depth row within 1% too (67.4 GiB, the MLP's peak). Fewer than GQA's 7.5, measured on
+# SDPA/cuDNN: FA4 keeps no full-width workspace of its own.
+ATTENTION_TENSORS_MHA = 6.5
+# The MLP's working set with the fused SwiGLU, in (tokens x intermediate) tensors: gate, up, the product and two
+# gradients counted by hand (5); the untiled peaks measured where the MLP sets them come out at 5.5-5.8 (Qwen3-4B at
+# 64k and 131k on the H200, Gemma-3-4B at 131k and OLMo-3-7B at 16 layers and 131k on an H100: -5.0 to -6.2% at 5,
+# within 2% at 5.75): the allocator's rounding of such large blocks. Eager (6 tensors) the rows fit as counted.
+MLP_TENSORS_FUSED = 5.75
 # The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its peak in the backward, in tokens x (2 key + value)
 # and tokens x value tensors: the fused projection's output, the convolution's and its SiLU, and their gradients (6);
 # the gate z, the recurrence's output, its gated norm, and their gradients (6), counted by hand. With our fused
@@ -143,6 +153,14 @@ def deltanet_bytes(g: dict, t: int, b: int, fused: bool = False) -> float:
     return tensors + states
 
 
+def projections_in_flight(g: dict, t: int, b: int, levers: Levers) -> int:
+    """Kept projection outputs that the offload holds on the host (`--keep_projections`) are on the GPU again for
+    the layer whose backward runs (returned into its recompute): one layer's, the largest."""
+    if not (levers.keep_projections and levers.offload_activations):
+        return 0
+    return max(projection_bytes(g, shape, t, b) for shape in g["layer_shapes"])
+
+
 def ring_bytes(g: dict, t: int, sp: int, ring: int, act_bytes: int) -> int:
     """The ring's buffers of one rank at their peak, in the backward: the K/V block in hand and the next one
     arriving (model dtype), the dK/dV accumulators of the block in hand, the one being sent and the one arriving
@@ -213,17 +231,19 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     whole_layers = sum(kept_layer_bytes(g, t, b, levers, sp, span) for span in unchecked)
     # the recomputed layer's attention block at its peak, and the fp32 input copies of transformers' norms
     norm_copies = 0 if levers.lean_norm else 4 * t * (g["hidden"] + (g["attn_width"] + g["kv_width"]) * g["qk_norm"])
-    units = ATTENTION_TENSORS_GQA if levers.gqa_native and g["kv"] < g["heads"] else ATTENTION_TENSORS
+    units = (ATTENTION_TENSORS if not levers.gqa_native else ATTENTION_TENSORS_GQA if g["kv"] < g["heads"]
+             else ATTENTION_TENSORS_MHA)
     units -= FUSED_ROTARY_SAVING if levers.fused_kernels else 0
     attention = units * t * g["attn_width"] * b + norm_copies
     mlp_rows = min(t, tile_tokens) if levers.tiled_mlp else t
     # gate, up, act, product + two gradients; the fused SwiGLU keeps no act
-    mlp = (5 if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
+    mlp = (MLP_TENSORS_FUSED if levers.fused_kernels else 6) * mlp_rows * g["inter"] * b
     hidden_acts = 8 * t * g["hidden"] * b  # norms, residuals, projections' outputs and their gradients
     # with segments, the inputs the regenerating forward made for the segment's other layers, held at once
     regenerated = (min(levers.checkpoint_every, max(n_ckpt, 1)) - 1) * t * g["hidden"] * b if levers.checkpointing \
         else 0
-    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b, levers.fused_kernels)) + regenerated
+    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b, levers.fused_kernels)) + regenerated \
+        + projections_in_flight(g, t, b, levers)
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     if pairs:
         loss = preference_loss_bytes(g, t, loss_chunk, b)
