@@ -36,7 +36,15 @@ def test_components_by_hand():
     assert e["gpu"]["kept outputs"] == 2 * t * (64 * 2 + 8 * 4)  # output, and fp32 log-sum-exp per head
     assert e["gpu"]["model states"] == pytest.approx(2 * n / 4 + 14 * n / 4 + 4 * g["layer_params"])
     assert e["gpu"]["loss"] == 256 * 96 * 6 + 96 * 64 * 4 + 2 * t * 64 * 2
-    assert e["gpu"]["all-to-all buffers"] == 2 * t * (64 + 2 * max(32, 16)) * 2
+    assert e["gpu"]["all-to-all buffers"] == t * (64 + 2 * max(32, 16)) * 2  # the received q, k, v
+    from ulysses_train.levers.memory import CUDA_OVERHEAD, NCCL_GROUP_BYTES
+
+    assert e["gpu"]["NCCL buffers"] == NCCL_GROUP_BYTES  # an SP group's NCCL, beside the transient layer
+    alone = estimate(g, seq_len=512, gpus=2, sp=1, levers=Levers(keep_attention=True), loss_chunk=256)
+    assert "NCCL buffers" not in alone["gpu"] and alone["gpu"]["all-to-all buffers"] == 0
+    transient = max(e["gpu"]["layer working set"] + e["gpu"]["all-to-all buffers"], e["gpu"]["loss"])
+    assert e["gpu_total"] == pytest.approx(e["gpu"]["model states"] + e["gpu"]["checkpoints"] + e["gpu"]["kept outputs"]
+                                           + transient + NCCL_GROUP_BYTES + CUDA_OVERHEAD)
     offloaded = estimate(g, 1024, 4, 2, Levers(offload_activations=True, bf16_states=True))
     assert offloaded["gpu"]["checkpoints"] == 0
     assert offloaded["gpu"]["kept outputs"] == 0  # the offload takes the kept attention outputs too
@@ -257,7 +265,7 @@ def test_ring_buffers_and_traffic_by_hand():
     t, ulysses, ring = 128, 2, 4  # 1024 tokens over sp 8 = Ulysses 2 x ring 4
     e = estimate(g, 1024, 8, 8, Levers(keep_attention=True), ring=ring)
     assert e["ring_size"] == 4 and e["tokens_per_rank"] == t
-    assert e["gpu"]["all-to-all buffers"] == 2 * t * (64 + 2 * max(32, 8 * ulysses)) * 2
+    assert e["gpu"]["all-to-all buffers"] == t * (64 + 2 * max(32, 8 * ulysses)) * 2
     kv_block = 2 * (t * ulysses) * (4 // ulysses) * 8  # k and v of a ring rank's pair of chunks
     assert e["gpu"]["ring buffers"] == 2 * kv_block * 2 + 3 * kv_block * 4 + t * ulysses * (64 // ulysses) * 4
     assert "ring buffers" not in estimate(g, 1024, 8, 8, Levers())["gpu"]

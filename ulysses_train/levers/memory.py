@@ -20,6 +20,11 @@ from .policy import GiB, Levers, checkpoint_bytes, kept_output_bytes, projection
 # a 4-bit weight and its block's fp32 absmax (64 weights a block, no double quantization): --load_in_4bit's base
 NF4_BYTES = 0.5 + 4 / 64
 CUDA_OVERHEAD = 1.5 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, allocator slack
+# What a rank in an SP group holds beyond that for NCCL (its communicator's channel buffers, the all-to-all's and
+# the ring's workspaces), and of the all-to-all's buffers: one set of q, k, v at a time, the received one (the sent
+# copy is freed as the exchange returns). Fitted on the three SP=2 peaks of the H200 (131k tokens at 36 layers, 1M
+# at 2 and 4 layers: -5.5%, +5.7%, +5.0% with both sets and no NCCL term; 0.0%, +0.4%, -0.2% now)
+NCCL_GROUP_BYTES = 2.65 * GiB
 # The recomputed layer's attention block, at its peak in the backward, holds about this many (tokens x heads*head_dim)
 # bf16 tensors, plus the fp32 copies that transformers' RMSNorms keep of their inputs (the layer's input norm and
 # Qwen3's q and k norms; none with --lean_norm). Fitted (one number) on ten H200 peaks measured with transformers'
@@ -247,7 +252,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     if pairs:
         loss = preference_loss_bytes(g, t, loss_chunk, b)
-    a2a = 2 * t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
+    a2a = t * (g["attn_width"] + 2 * max(g["kv_width"], g["head_dim"] * ulysses)) * b if ulysses > 1 else 0
     ring_buffers = ring_bytes(g, t, sp, ring, b)
     on_gpu_ckpt, on_gpu_kept = saved["gpu checkpoints"], saved["gpu kept"]
     gpu = {"model states": gpu_states + gathered, "checkpoints": on_gpu_ckpt, "kept outputs": on_gpu_kept,
@@ -256,6 +261,9 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         gpu["regenerated inputs"] = regenerated  # part of the layer working set
     if ring > 1:
         gpu["ring buffers"] = ring_buffers
+    nccl = NCCL_GROUP_BYTES if sp > 1 else 0
+    if nccl:
+        gpu["NCCL buffers"] = nccl
     if whole_layers:
         gpu["uncheckpointed layers"] = whole_layers
     # the loss runs at the end of the forward, the layer working set in the backward: never both at once. The
@@ -266,7 +274,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         own_backward = max(uncheckpointed_backward_bytes(g, t, b, levers, sp, tile_tokens, span)
                            for span in set(unchecked)) + a2a + ring_buffers
         transient = max(transient, whole_layers + max(loss, own_backward))
-    gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + CUDA_OVERHEAD
+    gpu_total = gpu["model states"] + on_gpu_ckpt + on_gpu_kept + transient + nccl + CUDA_OVERHEAD
     ranks_per_host = min(gpus, 8)
     host = {"optimizer offload": host_states * ranks_per_host,
             "offloaded checkpoints": (saved["host checkpoints"] + saved["host kept"]) * ranks_per_host}
