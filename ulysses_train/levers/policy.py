@@ -355,17 +355,14 @@ def _keep_projections_where_faster(levers: Levers, request: LeverRequest, g: dic
               else "no step time to compare by" if seconds is None else "")
     if reason:
         return dataclasses.replace(levers, why={**levers.why, "keep_projections": f"auto: none ({reason})"})
-    base = seconds(levers)
-    best, best_s = levers, base
     counts = sorted({max(1, round(n * q)) for q in (0.25, 0.5, 0.75, 1.0)})
-    for k in counts:
-        candidate = dataclasses.replace(levers, keep_projections=k)
-        if fits(candidate, KEEP_PLAN_FRACTION, host_share=KEEP_PLAN_FRACTION):
-            s = seconds(candidate)
-            best, best_s = (candidate, s) if s < best_s else (best, best_s)
-    gain = 1 - best_s / base
-    if not fits(dataclasses.replace(levers, keep_projections=counts[0]), KEEP_PLAN_FRACTION,
-                host_share=KEEP_PLAN_FRACTION):
+    fitting = [candidate for candidate in (dataclasses.replace(levers, keep_projections=k) for k in counts)
+               if fits(candidate, KEEP_PLAN_FRACTION, host_share=KEEP_PLAN_FRACTION)]
+    base = seconds(levers)
+    timed = [(seconds(candidate), candidate) for candidate in fitting]
+    best_s, best = min(timed, key=lambda pair: pair[0], default=(base, levers))  # ties: the fewer layers
+    gain = max(0.0, 1 - best_s / base)
+    if not fitting:  # the bytes only grow with the count: the fewest did not fit
         best, verdict = levers, (f"none: with {counts[0]} layers' the whole plan is over {KEEP_PLAN_FRACTION:.0%} of "
                                  f"the device or the host")
     elif gain < KEEP_PROJECTIONS_MIN_GAIN:
