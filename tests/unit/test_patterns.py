@@ -5,6 +5,7 @@ documents, and the banded path's memory (no mask larger than a block and its win
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.references import pattern_attention
 from ulysses_train.sp import fa4_op, kernels, patterns
@@ -58,3 +59,36 @@ def test_the_band_never_builds_a_mask_wider_than_a_block_and_its_window(monkeypa
 def test_chunks_are_cut_from_each_documents_start():
     assert chunk_documents(None, 2, 20, 8) == [[8, 8, 4], [8, 8, 4]]
     assert chunk_documents([[5, 15]], 1, 20, 8) == [[5, 8, 7]]
+
+
+class _AttentionOps(TorchDispatchMode):
+    """Records the q, k, v shapes of every fused attention op and whether any plain matmul (the math fallback's
+    scores) ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused, self.matmuls = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "scaled_dot_product" in name:
+            self.fused.append([tuple(a.shape) for a in args[:4] if isinstance(a, torch.Tensor)])
+        self.matmuls += name.startswith(("aten.bmm", "aten.mm", "aten.matmul"))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_sinks_reach_a_fused_kernel_with_head_dims_it_takes(window):
+    """GPT-OSS's 64 + 1 head dims sent SDPA on CUDA to its math fallback, which held a full layer's fp32 scores
+    (16 GiB at 8,192 tokens and 64 heads): the sink paths hand the fused kernels multiples of 8, a full layer's k and
+    v with their KV heads as they are, and no score matmul runs outside them."""
+    h, kv, s, d = 8, 2, 256, 64
+    q = torch.randn(1, h, s, d, requires_grad=True)
+    k, v = (torch.randn(1, kv, s, d, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(h, requires_grad=True)
+    with _AttentionOps() as ops:
+        kernels.KERNELS["sdpa"](q, k, v, d ** -0.5, None, Pattern(window=window, sinks=sinks)).sum().backward()
+    assert ops.fused and ops.matmuls == 0, (ops.fused, ops.matmuls)
+    assert all(shape[-1] % 8 == 0 for call in ops.fused for shape in call), ops.fused
+    if window is None:
+        assert all(call[1][1] == kv for call in ops.fused[:1]), ops.fused  # the forward's k: KV heads, not copied

@@ -10,9 +10,13 @@ every row's softmax denominator of head `h` (GPT-OSS's eager attention); a softc
 `patterned_sdpa` is the SDPA kernel for these, exact and never s x s in memory:
 - a window runs in query blocks of `block` rows against only the keys their window reaches, with one band mask
   shared by every block away from a document's start: O(s x (block + w)) per layer;
-- sinks join as one extra key that every query sees: each k gets a zero column and q a column of ones, the sink
-  key is `s_h / scale` in that column (so its score is exactly `s_h`) with a zero value, and a dummy query row in
-  front keeps SDPA's top-left causal alignment (query i+1 sees the sink and keys 0..i);
+- sinks on a full causal layer merge into the log-sum-exp of a kernel without them (`_SinkMerge`): the sink is a
+  key of value zero, so it only adds `exp(s_h)` to each row's denominator, and the block kernel (cuDNN on CUDA,
+  ATen's flash attention on the CPU; block_kernels.py) runs with the KV heads as they are;
+- sinks on a windowed block join as one extra key that every query sees: q gets a column of ones and k a zero
+  column, the sink key is `s_h / scale` in that column (so its score is exactly `s_h`) with a zero value. The
+  column is padded with zeros to a multiple of 8 head dims: CUDA's fused SDPA kernels take nothing else, and
+  with 65 of GPT-OSS's 64 + 1 the math fallback held every block's scores in fp32;
 - a softcap, which SDPA cannot express, runs the scores explicitly per query block, each block recomputed in the
   backward (checkpointed), so only one block's scores are ever alive. Exact, and slow: on CUDA the support check
   sends softcapped models to FA2 or FA4 instead (support.py).
@@ -27,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from . import block_kernels
 
 
 @dataclass(frozen=True)
@@ -65,16 +71,20 @@ def _band_mask(q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
     return keep
 
 
+SINK_COLUMNS = 8  # the sink's column and its zero padding: fused SDPA kernels take head dims that are multiples of 8
+
+
 def _with_sink(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """q (b, h, n, d), k/v (b, kv, m, d) -> one more head column and one sink key in front: q (b, h, n, d+1),
-    k (b, h, m+1, d+1), v (b, h, m+1, d). The KV heads are copied to every query head: each head has its own sink."""
+    """q (b, h, n, d), k/v (b, kv, m, d) -> the sink's columns and one sink key in front: q (b, h, n, d+8),
+    k and v (b, h, m+1, d+8). The KV heads are copied to every query head: each head has its own sink. v gets
+    the zero columns too (its outputs there are zero): every fused kernel takes equal head dims, not all take
+    unequal ones."""
     b, h, _, d = q.shape
-    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    q = torch.cat([q, q.new_ones(*q.shape[:-1], 1)], dim=-1)
-    k = torch.cat([k, k.new_zeros(*k.shape[:-1], 1)], dim=-1)
-    sink_key = torch.cat([k.new_zeros(b, h, 1, d), (sinks.to(k.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1)],
-                         dim=-1)
-    return q, torch.cat([sink_key, k], dim=2), torch.cat([v.new_zeros(b, h, 1, v.shape[-1]), v], dim=2)
+    k, v = (F.pad(t.repeat_interleave(h // t.shape[1], dim=1), (0, SINK_COLUMNS)) for t in (k, v))
+    ones = F.pad(q.new_ones(*q.shape[:-1], 1), (0, SINK_COLUMNS - 1))
+    q = torch.cat([q, ones], dim=-1)
+    sink_key = F.pad((sinks.to(k.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1), (d, SINK_COLUMNS - 1))
+    return q, torch.cat([sink_key, k], dim=2), F.pad(v, (0, 0, 1, 0))
 
 
 def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: Optional[float],
@@ -99,17 +109,45 @@ def _block(q, k, v, mask, scale, pattern: Pattern) -> Tensor:
     if pattern.softcap is not None:  # SDPA has no softcap: explicit scores, recomputed in the backward
         return checkpoint(_explicit, q, k, v, mask, scale, pattern.softcap, pattern.sinks, use_reentrant=False)
     if pattern.sinks is not None:
+        d = v.shape[-1]
         q, k, v = _with_sink(q, k, v, pattern.sinks, scale)
         mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :d]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class _SinkMerge(torch.autograd.Function):
+    """Full causal attention with one sink logit per head, from a block kernel without sinks.
+
+    The kernel's (out, lse) become lse' = logaddexp(lse, s_h) and out' = out * exp(lse - lse'). Handed (out', lse'),
+    the kernel's flash-style backward gives the exact dq, dk and dv of the softmax with the sink (its value is zero,
+    so it adds nothing to the rows' dout . out'), and the sink's own gradient is -sum over rows of
+    P_sink * (dout . out'). Nothing s x s is held, and GQA's KV heads are not copied."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float, kernel) -> Tensor:
+        # q (b, s, h, d), k/v (b, s, kv, d), sinks (h,) -> (b, s, h, d)
+        out, lse = kernel.forward(q, k, v, scale, True)  # lse (b, h, s), fp32 or wider
+        merged = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+        out = (out * torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged, sinks)
+        ctx.scale, ctx.kernel = scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, merged, sinks = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, merged, ctx.scale, True)
+        delta = (dout.to(merged.dtype) * out).sum(-1).transpose(1, 2)  # (b, h, s)
+        p_sink = torch.exp(sinks.to(merged.dtype).view(1, -1, 1) - merged)
+        return dq, dk, dv, -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype), None, None
+
+
 def _causal_with_sinks(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> Tensor:
-    """Full causal attention with sinks, no mask tensor: a dummy query in front aligns SDPA's causal mask."""
-    q, k, v = _with_sink(q, k, v, sinks, scale)
-    q = torch.cat([q.new_zeros(*q.shape[:2], 1, q.shape[-1]), q], dim=2)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, 1:]
+    """q (b, h, n, d), k/v (b, kv, n, d): full causal attention with sinks -> (b, h, n, d)."""
+    kernel = block_kernels.block_kernel("sdpa", q.device, q.dtype)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, n, h, d), the block kernels' layout
+    return _SinkMerge.apply(q, k, v, sinks, scale, kernel).transpose(1, 2)
 
 
 def _segment(q: Tensor, k: Tensor, v: Tensor, scale: float, pattern: Pattern, block: int) -> Tensor:
