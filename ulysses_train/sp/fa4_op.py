@@ -262,6 +262,12 @@ def _scores(qh, kh, scale, causal, window_left, softcap):
     return _mask(scores, causal, window_left), tanh
 
 
+def sink_gradient(sink: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """The sinks' gradient: each row's sink probability (from its log-sum-exp with the sink, (b, h, s)) times minus
+    its dout . out (`delta`, (b, h, s)), summed over the rows and the batch."""
+    return -(torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum(dim=(0, 2)).to(sink.dtype)
+
+
 def reference_forward(q, k, v, scale, causal=True, window_left=-1, softcap=0.0, sink=None):
     """What the kernel computes, in plain ops: (out, lse) in the kernel's layouts (a sink joins every row's lse)."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, _expand(k, q.shape[2]), _expand(v, q.shape[2])))  # (b, h, s, d)
@@ -288,10 +294,7 @@ def reference_backward(dout, q, k, v, out, lse, scale, causal=True, window_left=
         ds = ds * (1 - tanh.square())
     ds = ds.to(qh.dtype)
     dq, dk = (ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale
-    dsink = q.new_empty(0)
-    if sink is not None:  # the sink's probability in each row, times -delta, summed over rows and the batch
-        p_sink = torch.exp(sink.to(lse.dtype).view(1, -1, 1) - lse)
-        dsink = -(p_sink * delta[..., 0]).sum(dim=(0, 2)).to(sink.dtype)
+    dsink = q.new_empty(0) if sink is None else sink_gradient(sink, lse, delta[..., 0])
 
     def per_kv(t, kv_heads):  # (b, h, s, d) -> (b, s, kv, d), summing each KV head's query heads
         b, h, n, d = t.shape

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from . import block_kernels
+from . import block_kernels, fa4_op
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,11 @@ def _block(q, k, v, mask, scale, pattern: Pattern) -> Tensor:
 class _SinkMerge(torch.autograd.Function):
     """Full causal attention with one sink logit per head, from a block kernel without sinks.
 
-    The kernel's (out, lse) become lse' = logaddexp(lse, s_h) and out' = out * exp(lse - lse'). Handed (out', lse'),
-    the kernel's flash-style backward gives the exact dq, dk and dv of the softmax with the sink (its value is zero,
-    so it adds nothing to the rows' dout . out'), and the sink's own gradient is -sum over rows of
-    P_sink * (dout . out'). Nothing s x s is held, and GQA's KV heads are not copied."""
+    The kernel's (out, lse) become lse' = logaddexp(lse, s_h) and out' = out * exp(lse - lse') (ring.merge with a
+    block of value zero, without building it). Handed (out', lse'), the kernel's flash-style backward gives the
+    exact dq, dk and dv of the softmax with the sink (its value is zero, so it adds nothing to the rows'
+    dout . out'), and the sink's own gradient is -sum over rows of P_sink * (dout . out'). Nothing s x s is held,
+    and GQA's KV heads are not copied."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float, kernel) -> Tensor:
@@ -139,8 +140,7 @@ class _SinkMerge(torch.autograd.Function):
         q, k, v, out, merged, sinks = ctx.saved_tensors
         dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, merged, ctx.scale, True)
         delta = (dout.to(merged.dtype) * out).sum(-1).transpose(1, 2)  # (b, h, s)
-        p_sink = torch.exp(sinks.to(merged.dtype).view(1, -1, 1) - merged)
-        return dq, dk, dv, -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype), None, None
+        return dq, dk, dv, fa4_op.sink_gradient(sinks, merged, delta), None, None
 
 
 def _causal_with_sinks(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> Tensor:
