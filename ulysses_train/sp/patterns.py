@@ -15,8 +15,8 @@ every row's softmax denominator of head `h` (GPT-OSS's eager attention); a softc
   ATen's flash attention on the CPU; block_kernels.py) runs with the KV heads as they are;
 - sinks on a windowed block join as one extra key that every query sees: q gets a column of ones and k a zero
   column, the sink key is `s_h / scale` in that column (so its score is exactly `s_h`) with a zero value. The
-  column is padded with zeros to a multiple of 8 head dims: CUDA's fused SDPA kernels take nothing else, and
-  with 65 of GPT-OSS's 64 + 1 the math fallback held every block's scores in fp32;
+  column is padded with zeros to a multiple of 8 head dims: CUDA's fused SDPA kernels take nothing else, and an
+  unpadded 64 + 1 (GPT-OSS) would send them to the math fallback, which holds every block's scores in fp32;
 - a softcap, which SDPA cannot express, runs the scores explicitly per query block, each block recomputed in the
   backward (checkpointed), so only one block's scores are ever alive. Exact, and slow: on CUDA the support check
   sends softcapped models to FA2 or FA4 instead (support.py).
