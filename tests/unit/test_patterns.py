@@ -24,6 +24,7 @@ CASES = [dict(window=6), dict(sinks=True), dict(window=6, sinks=True), dict(soft
 @pytest.mark.parametrize("kernel", ["sdpa", "flash_attn_4"])
 def test_pattern_matches_plain_attention(case, docs, kernel, monkeypatch):
     monkeypatch.setattr(fa4_op, "IMPL", dict(fa4_op.REFERENCE_IMPL))  # FA4's op plumbing, exact kernels on CPU
+    monkeypatch.setattr(patterns, "ROW_DOT_CHUNK_BYTES", 7 * H * D * 4)  # the sinks' row dots in chunks of 7 rows
     g = torch.Generator().manual_seed(len(case) + (docs is not None))
     q = torch.randn(1, H, S, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, KV, S, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -92,3 +93,27 @@ def test_sinks_reach_a_fused_kernel_with_head_dims_it_takes(window):
     assert all(shape[-1] % 8 == 0 for call in ops.fused for shape in call), ops.fused
     if window is None:
         assert ops.fused[0][1][1] == kv, ops.fused  # the forward's k: its KV heads, not copied
+
+
+def test_the_sink_gradient_widens_a_chunk_of_rows_at_a_time(monkeypatch):
+    """The sinks' gradient needs dout . out per row in fp32: widening a full layer's bf16 outputs at once held
+    4 bytes x tokens x heads x head dim (2 GiB at 131k tokens and GPT-OSS's 64 heads of 64) in the backward."""
+    h, kv, s, d = 4, 2, 64, 16
+    monkeypatch.setattr(patterns, "ROW_DOT_CHUNK_BYTES", 8 * h * d * 4)
+    q = torch.randn(1, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(h, requires_grad=True)
+    out = kernels.KERNELS["sdpa"](q, k, v, d ** -0.5, None, Pattern(sinks=sinks))
+    widened = []
+
+    class _Widened(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and result.dtype == torch.float32 and result.dim() == 4:
+                widened.append(result.numel())
+            return result
+
+    with _Widened():
+        out.sum().backward()
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+    assert widened and max(widened) <= 8 * h * d, widened  # fp32 (b, rows, h, d) pieces of 8 rows, never the layer
