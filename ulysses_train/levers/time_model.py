@@ -352,7 +352,8 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     collectives, what they add beyond the compute they overlap)."""
     g, lv = run.g, run.levers
     # the first checkpointed layers (levers/placement.py: where each one's checkpoint is); alike layers counted once
-    kinds = Counter(zip(g["layer_shapes"], layer_places(lv, g["layers"])))
+    places = layer_places(lv, g["layers"])
+    kinds = Counter(zip(g["layer_shapes"], places))
     layers = [(count, _regenerating_layer(run, c, shape, place)) for (shape, place), count in kinds.items()]
     t = run.micro * math.ceil(run.seq_len / run.sp)
     loss_tflops = c.liger_loss_tflops if lv.loss_kernel == "liger" else c.loss_tflops
@@ -373,6 +374,7 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
         for k in hidden_comm:
             hidden_comm[k] += count * layer[k]
         wall += count * (layer["forward"] + layer["backward"])
+    wall += _first_fetch_seconds(run, c, places)
     compute = sum(parts.values()) + loss
     parts["loss"] = loss
     micro_step = wall
@@ -384,6 +386,19 @@ def step_time(run: Run, c: Constants = Constants()) -> dict:
     communication = parts["all-to-all"] + parts["exposed copies and collectives"]
     return {"total": total, "parts": parts, "communication_share": communication / total,
             "overlapped": {k: v * run.accum for k, v in hidden_comm.items()}}
+
+
+def _first_fetch_seconds(run: Run, c: Constants, places: list) -> float:
+    """The copy back of the first layer the backward meets with its saved tensors on the host (the last one): the
+    offload fetches a layer's tensors when the backward first asks for one of them and the next layer's beside them
+    (offload.py), so this layer's come back while the compute stream waits. Every later layer's copy overlaps the
+    layer before it."""
+    on_host = [i for i, place in enumerate(places) if place.checkpointed and place.on_host]
+    if not on_host:
+        return 0.0
+    shape = run.g["layer_shapes"][on_host[-1]]
+    keep = run.levers.keep_attention if shape.span.attention else run.levers.keep_linear
+    return _host_copy_seconds(run, c, shape, places[on_host[-1]], keep)
 
 
 def seconds_on(g: dict, seq_len: int, gpus: int, sp: int, zero_stage: int = 3, micro: int = 1, act_bytes: int = 2,
