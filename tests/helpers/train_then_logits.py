@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from ulysses_train.sp.sharding import shard_order, shard_sequence  # noqa: E402
 from ulysses_train.train.config.config_file import parse_args  # noqa: E402
-from ulysses_train.train.process.launcher import normalise_launcher_env  # noqa: E402
+from ulysses_train.train.process.launcher import exit_now, normalise_launcher_env  # noqa: E402
 from ulysses_train.train.run.trainer import Trainer  # noqa: E402
 from ulysses_train.train.step.loop import train  # noqa: E402
 
@@ -31,4 +31,6 @@ if trainer.rank == 0:
     # shards laid end to end are in zigzag order under a ring: back to sequence order
     torch.save(torch.cat(parts, dim=1)[:, shard_order(64, g.ring_size).argsort()], os.environ["LOGITS_OUT"])
 dist.barrier()
-dist.destroy_process_group()  # without it, gloo's teardown at interpreter exit now and then aborts a finished rank
+# as launch/train.py ends: gloo's teardown of the sub-groups at interpreter exit now and then aborts a rank that
+# has finished ("terminate called without an active exception"), destroy_process_group first or not
+exit_now(0)

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.ring_cases import CASES_8, run_cases  # noqa: E402
 from ulysses_train.train.config.config_file import parse_args  # noqa: E402
-from ulysses_train.train.process.launcher import normalise_launcher_env  # noqa: E402
+from ulysses_train.train.process.launcher import exit_now, normalise_launcher_env  # noqa: E402
 from ulysses_train.train.run.trainer import Trainer  # noqa: E402
 from ulysses_train.train.step.loop import train  # noqa: E402
 
@@ -23,4 +23,6 @@ torch.set_num_threads(1)
 results = run_cases(trainer.rank, trainer.world, CASES_8)
 torch.save(results, os.path.join(os.environ["RING_CASES_OUT"], f"{trainer.rank}.pt"))
 dist.barrier()
-dist.destroy_process_group()  # without it, gloo's teardown at interpreter exit now and then aborts a finished rank
+# as launch/train.py ends: gloo's teardown of the sub-groups at interpreter exit now and then aborts a rank that
+# has finished ("terminate called without an active exception"), destroy_process_group first or not
+exit_now(0)
