@@ -24,7 +24,7 @@ CASES = [dict(window=6), dict(sinks=True), dict(window=6, sinks=True), dict(soft
 @pytest.mark.parametrize("kernel", ["sdpa", "flash_attn_4"])
 def test_pattern_matches_plain_attention(case, docs, kernel, monkeypatch):
     monkeypatch.setattr(fa4_op, "IMPL", dict(fa4_op.REFERENCE_IMPL))  # FA4's op plumbing, exact kernels on CPU
-    monkeypatch.setattr(patterns, "ROW_DOT_CHUNK_BYTES", 7 * H * D * 4)  # the sinks' row dots in chunks of 7 rows
+    monkeypatch.setattr(patterns, "ROW_DOT_CHUNK_BYTES", 7 * H * D * 8)  # the sinks' row dots, 7 fp64 rows a chunk
     g = torch.Generator().manual_seed(len(case) + (docs is not None))
     q = torch.randn(1, H, S, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, KV, S, D, generator=g, dtype=torch.float64) for _ in range(2))

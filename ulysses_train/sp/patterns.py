@@ -142,14 +142,14 @@ class _SinkMerge(torch.autograd.Function):
         return dq, dk, dv, fa4_op.sink_gradient(sinks, merged, _row_dots(dout, out, merged.dtype)), None, None
 
 
-ROW_DOT_CHUNK_BYTES = 256 << 20  # the widened copies of one chunk of rows: a full layer's would be 2 GiB at 131k
+ROW_DOT_CHUNK_BYTES = 256 << 20  # the widened product of one chunk of rows: a full layer's is 2 GiB at 131k in fp32
 
 
 def _row_dots(dout: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """dout . out per row and head in `dtype`, (b, s, h, d) -> (b, h, s), a chunk of positions at a time: the widened
     product of a whole layer (4 bytes x tokens x heads x head dim) is not held at once."""
     b, s, h, d = out.shape
-    rows = max(1, ROW_DOT_CHUNK_BYTES // (b * h * d * 4))
+    rows = max(1, ROW_DOT_CHUNK_BYTES // (b * h * d * dtype.itemsize))
     dots = torch.empty(b, s, h, dtype=dtype, device=out.device)
     for a in range(0, s, rows):
         dots[:, a:a + rows] = (dout[:, a:a + rows].to(dtype) * out[:, a:a + rows]).sum(-1)
