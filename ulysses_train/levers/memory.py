@@ -205,7 +205,7 @@ def checkpoint_split(g: dict, t: int, b: int, levers: Levers) -> dict:
     inputs = [i for i, p in enumerate(places) if p.checkpointed and p.saves_input]
     shapes = g["layer_shapes"]
     kept = {i: kept_output_bytes(g, shapes[i], t, b) for i, p in enumerate(places)
-            if p.checkpointed and (levers.keep_attention if shapes[i].span.attention else levers.keep_linear)}
+            if p.checkpointed and levers.keeps_outputs(shapes[i].span)}
     for i, p in enumerate(places):
         if p.keeps_projections:
             kept[i] = kept.get(i, 0) + projection_bytes(g, shapes[i], t, b)

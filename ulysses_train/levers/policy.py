@@ -166,6 +166,11 @@ class Levers:
             return 0
         return layers if self.checkpoint_layers is None else self.checkpoint_layers
 
+    def keeps_outputs(self, span) -> bool:
+        """Whether a checkpointed layer of this span (model/geometry.py) keeps its mixer kernel's outputs for the
+        backward (`--attn_recompute never` for attention, `--linear_recompute never` for linear attention)."""
+        return self.keep_attention if span.attention else self.keep_linear
+
     def off(self, lever: str, reason: str) -> "Levers":
         """The same levers with one turned off, and why."""
         return dataclasses.replace(self, **{lever: False}, why={**self.why, lever: reason})

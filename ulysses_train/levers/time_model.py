@@ -242,7 +242,7 @@ def _layer(run: Run, c: Constants, shape, checkpointed: bool, place: Optional[La
     g, lv, p = run.g, run.levers, _pass(run, c, shape)
     place = place or LayerPlace(checkpointed, on_host=lv.offload_activations and checkpointed)
     tiled = lv.tiled_mlp and not g["experts"]  # the tiled MLP runs its forward again in the backward
-    keep = _keeps_outputs(run, shape)
+    keep = lv.keeps_outputs(shape.span)
     # the projections' matmuls this layer's recompute skips (--keep_projections: the first layers)
     skipped = _projection_seconds(run, c, shape) if place.keeps_projections else 0.0
     forward = p.linear_fwd + p.lora_fwd + p.attn_fwd + p.elem_fwd + p.a2a
@@ -397,13 +397,7 @@ def _first_fetch_seconds(run: Run, c: Constants, places: list) -> float:
     if not on_host:
         return 0.0
     shape = run.g["layer_shapes"][on_host[-1]]
-    return _host_copy_seconds(run, c, shape, places[on_host[-1]], _keeps_outputs(run, shape))
-
-
-def _keeps_outputs(run: Run, shape) -> bool:
-    """Whether a layer of this shape keeps its mixer kernel's outputs for the backward (`--attn_recompute never`,
-    `--linear_recompute never`)."""
-    return run.levers.keep_attention if shape.span.attention else run.levers.keep_linear
+    return _host_copy_seconds(run, c, shape, places[on_host[-1]], run.levers.keeps_outputs(shape.span))
 
 
 def seconds_on(g: dict, seq_len: int, gpus: int, sp: int, zero_stage: int = 3, micro: int = 1, act_bytes: int = 2,
