@@ -127,6 +127,9 @@ def test_verify_command_line(tmp_path):
     (tmp_path / "config.yaml").write_text("seq_len: 256\n")  # the training run's
     out = run(deepspeed_launcher(2), ["--verify", "--verify_seq_len", "128"], tmp_path)
     assert "verdict: PASS" in out.stdout and "per-tensor grad, max" in out.stdout
+    # each part says when it starts and how long it took, on rank 0 only
+    stages = [line for line in out.stdout.splitlines() if line.startswith("verify: ") and line.endswith(("...", " s"))]
+    assert [s.split(":")[1].split()[0] for s in stages] == ["our", "done", "fp32", "done"], stages
     with open(tmp_path / "verify" / "verify.json") as f:
         assert json.load(f)["passed"] is True
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
@@ -268,23 +271,47 @@ def test_only_the_truth_is_asked_for_the_exact_delta_rule(dtype, monkeypatch, tm
     from tests.models import any_tiny_config
     from ulysses_train.train.verify import verify as verify_module
 
-    calls = []
+    import weakref
+
+    calls, ours = [], []
 
     def reference(model_config, weights, batches, ref_dtype, device, *extra, is_truth=False):
-        calls.append((ref_dtype, is_truth))
+        # our gradients are compared with the truth's and let go before the run dtype's reference runs: the host
+        # holds two gradient sets at a time
+        calls.append((ref_dtype, is_truth, ours[0]() is not None))
         return 2.0, {"w": torch.ones(4, dtype=torch.float64)}, {}
+
+    def our_step(trainer, step):
+        grad = torch.ones(4, dtype=torch.float64)
+        ours.append(weakref.ref(grad))
+        return 2.0, {}, {}, {"w": grad}, [batch]
 
     batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "labels": torch.ones(1, 8, dtype=torch.long)}
     monkeypatch.setattr(verify_module, "_reference_for", lambda trainer: reference)
-    monkeypatch.setattr(verify_module, "our_step",
-                        lambda trainer, step: (2.0, {}, {}, {"w": torch.ones(4, dtype=torch.float64)}, [batch]))
+    monkeypatch.setattr(verify_module, "our_step", our_step)
     monkeypatch.setattr(verify_module.dist, "broadcast_object_list", lambda objects, src: None)
     monkeypatch.setattr(verify_module, "verify_folder", lambda cfg: str(tmp_path))
     trainer = SimpleNamespace(cfg=SimpleNamespace(base=SimpleNamespace(model=None)), rank=0, start_step=0,
                               dtype=getattr(torch, dtype), layers=[SimpleNamespace(attention=False)],
                               adapters=None, model_config=any_tiny_config("qwen3_5_text"),
                               device=torch.device("cpu"),
-                              describe_setup=lambda: "a stand-in trainer")
+                              describe_setup=lambda: "a stand-in trainer", log=print)
     verify_module.run_verify(trainer)
     truth = torch.float32 if dtype == "bfloat16" else torch.float64
-    assert calls == [(truth, True), (getattr(torch, dtype), False)]
+    assert calls == [(truth, True, True), (getattr(torch, dtype), False, False)]
+
+
+def test_gradients_stay_in_their_dtype_on_the_host():
+    """A bf16 gradient is copied to the host as bf16 (fp32 would double the host memory of a large model's two bf16
+    gradient sets), fp64 as fp32, and always as a copy: the engine may reuse the buffer it came from."""
+    import torch
+
+    from ulysses_train.train.verify.reference_model import host_grad
+
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                        (torch.float64, torch.float32)):
+        grad = torch.randn(8, dtype=dtype)
+        copy = host_grad(grad)
+        assert copy.dtype == want and copy.device.type == "cpu" and torch.equal(copy, grad.to(want))
+        grad.zero_()
+        assert copy.abs().sum() > 0

@@ -157,11 +157,19 @@ def use_torch_delta_rule(model) -> int:
     return patched
 
 
+def host_grad(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient on the host for the comparisons, in its own dtype (they widen one tensor at a time): a bf16 run's
+    gradients as fp32 would double the host memory of the two gradient sets in bf16 (8B parameters: 32 GB more).
+    fp64 (an fp32 run's truth for DeltaNet layers) comes as fp32, which the fp32 limit of 1e-4 does not feel."""
+    dtype = torch.float32 if grad.dtype == torch.float64 else grad.dtype
+    return grad.detach().to("cpu", dtype, copy=True)  # a copy on the CPU too: the engine may reuse its buffer
+
+
 def reference_grads(model, names: Optional[dict]) -> dict:
-    """The reference's gradients (fp32, CPU) under our names (reference_model's `names`; None: every parameter)."""
+    """The reference's gradients (host_grad) under our names (reference_model's `names`; None: every parameter)."""
     named = dict(model.named_parameters(remove_duplicate=False))
     names = names or {n: n for n in dict(model.named_parameters())}
-    return {ours: (named[theirs].grad.detach().float().cpu() if named[theirs].grad is not None
+    return {ours: (host_grad(named[theirs].grad) if named[theirs].grad is not None
                    else torch.zeros(named[theirs].shape)) for ours, theirs in names.items()}
 
 
@@ -174,7 +182,7 @@ def reference_buffers(model, names: Optional[dict]) -> dict:
 def reference_step(model_config, weights: dict, batches: list[dict], dtype: torch.dtype, device: torch.device,
                    adapters=None, base_model: Optional[str] = None, is_truth: bool = False) -> tuple[float, dict, dict]:
     """Plain transformers on `weights` (reference_model, with `adapters` PEFT's): the mean over every trainable
-    token of `batches`, the gradient of that mean (fp32, CPU) and the model's own buffers."""
+    token of `batches`, the gradient of that mean (host_grad) and the model's own buffers."""
     model, names = reference_model(model_config, weights, dtype, device, adapters, base_model, is_truth)
     total, counts = 0.0, [trainable_tokens(b) for b in batches]
     for batch, count in zip(batches, counts):  # the mean over every trainable token of the step, as ours

@@ -32,13 +32,14 @@ one, to twice transformers' own fp32 error, never below `FP32_LIMIT`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ from ..run.trainer import verify_folder
 from ..step.loop import accumulate
 from .limits import BF16_FLOOR, FP32_LIMIT
 from .pairs import PreferenceReference, format_reference_line
-from .reference_model import reference_step, supports_sdpa
+from .reference_model import host_grad, reference_step, supports_sdpa
 
 STATS = ("loss", "grad_norm", "grad_whole", "grad_median", "grad_max")
 LABELS = {"loss": "loss", "grad_norm": "grad norm", "grad_whole": "whole gradient",
@@ -149,7 +150,7 @@ def _gather_grads(engine, rank: int) -> dict:
             continue
         grad = safe_get_full_grad(param)
         if rank == 0:
-            out[name.removeprefix("model.")] = (grad.detach().float().cpu() if grad is not None
+            out[name.removeprefix("model.")] = (host_grad(grad) if grad is not None
                                                 else torch.zeros(param.ds_shape if hasattr(param, "ds_shape")
                                                                  else param.shape))
     return out
@@ -242,26 +243,54 @@ def _reference_for(trainer):
                                ref_model=trainer.cfg.pref.ref_model)
 
 
+@contextlib.contextmanager
+def stage(log: Callable[[str], None], what: str):
+    """Says what --verify does next and, when it is done, how long it took: a verify of a large model spends
+    minutes in its references, and a user should see which part the time goes to."""
+    log(f"verify: {what} ...")
+    start = time.perf_counter()
+    yield
+    log(f"verify: done in {time.perf_counter() - start:.1f} s")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
+def _reference_size(weights: dict, dtype: torch.dtype) -> str:
+    """The reference model's size in `dtype`: it is built on the host, then moved to the run's device."""
+    count = sum(w.numel() for w in weights.values())
+    size = count * torch.empty((), dtype=dtype).element_size() / 2**30
+    return f"plain transformers with {count / 1e6:,.1f}M parameters ({size:,.2f} GiB), forward and backward"
+
+
 def run_verify(trainer) -> dict:
     """Runs the check (collective); every rank returns the result that rank 0 printed and wrote to verify.json."""
     import transformers
 
     cfg, rank = trainer.cfg, trainer.rank
     start = time.perf_counter()
-    loss, weights, buffers, grads, batches = our_step(trainer, trainer.start_step)
+    with stage(trainer.log, "our step: forward and backward without the optimizer step, then the weights and "
+                            "gradients gathered to rank 0"):
+        loss, weights, buffers, grads, batches = our_step(trainer, trainer.start_step)
     ours_s = time.perf_counter() - start
     shared = [None]
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
         reference_step = _reference_for(trainer)
         extra = (trainer.adapters, trainer.cfg.base.model)
-        ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
-                                                          trainer.device, *extra, is_truth=True)
-        ours = relative_errors(loss, grads, ref_loss, ref_grads)
+        with stage(trainer.log, f"{_dtype_name(truth)} reference: {_reference_size(weights, truth)}"):
+            ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
+                                                              trainer.device, *extra, is_truth=True)
+        ours, our_norm = relative_errors(loss, grads, ref_loss, ref_grads), grad_norm(grads)
+        del grads  # the host holds two gradient sets at a time, not three (a large model's are tens of GB)
         theirs = None
         if trainer.dtype != truth:  # its buffers are the ones ours must equal
-            t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, trainer.dtype,
-                                                          trainer.device, *extra)
+            with stage(trainer.log, f"{_dtype_name(trainer.dtype)} reference (transformers' own error): "
+                                    f"{_reference_size(weights, trainer.dtype)}"):
+                t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches,
+                                                              trainer.dtype, trainer.device, *extra)
             theirs = relative_errors(t_loss, t_grads, ref_loss, ref_grads)
         lim = limits(trainer.dtype, theirs)
         failed = [LABELS[k] for k in STATS if not getattr(ours, k) <= lim[k]]
@@ -277,7 +306,7 @@ def run_verify(trainer) -> dict:
                   "peft_version": _peft_version() if trainer.adapters is not None else None,
                   "reference_attention": "SDPA" if supports_sdpa(trainer.model_config) else "eager",
                   "loss": loss, "reference_loss": ref_loss, "truth": "fp64" if truth == torch.float64 else "fp32",
-                  "grad_norm": grad_norm(grads), "reference_grad_norm": grad_norm(ref_grads),
+                  "grad_norm": our_norm, "reference_grad_norm": grad_norm(ref_grads),
                   "ours": asdict(ours), "transformers": asdict(theirs) if theirs else None, "limits": lim,
                   "buffers": len(ref_buffers), "buffer_mismatches": bad_buffers,
                   "seconds": {"ours": ours_s, "reference": time.perf_counter() - start - ours_s},
