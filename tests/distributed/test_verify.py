@@ -264,14 +264,13 @@ def test_only_the_truth_is_asked_for_the_exact_delta_rule(dtype, monkeypatch, tm
     bf16, fp64 for an fp32 run of a DeltaNet model), marked `is_truth`, then the run's own dtype, not marked (plain
     transformers as a user has it, FLA's kernel where it imports). The reference stood in for by one that records
     its calls; our step by fixed gradients."""
+    import weakref
     from types import SimpleNamespace
 
     import torch
 
     from tests.models import any_tiny_config
     from ulysses_train.train.verify import verify as verify_module
-
-    import weakref
 
     calls, ours = [], []
 
