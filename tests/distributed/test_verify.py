@@ -131,7 +131,11 @@ def test_verify_command_line(tmp_path):
     stages = [line for line in out.stdout.splitlines() if line.startswith("verify: ") and line.endswith(("...", " s"))]
     assert [s.split(":")[1].split()[0] for s in stages] == ["our", "done", "fp32", "done"], stages
     with open(tmp_path / "verify" / "verify.json") as f:
-        assert json.load(f)["passed"] is True
+        result = json.load(f)
+    assert result["passed"] is True
+    seconds = result["seconds"]  # an fp32 run: its truth is the only reference
+    assert set(seconds) == {"ours", "truth_reference", "reference"} and seconds["reference"] >= seconds[
+        "truth_reference"] > 0, seconds
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
     assert (tmp_path / "config.yaml").read_text() == "seq_len: 256\n"
     assert "verify: true" in (tmp_path / "verify" / "config.yaml").read_text()
@@ -256,6 +260,24 @@ def test_the_truth_runs_the_torch_delta_rule_even_where_fla_runs(dtype, is_truth
     ids = torch.randint(1, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     with contextlib.nullcontext() if is_truth else pytest.raises(RuntimeError, match="FLA's kernel ran"):
         assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_a_model_without_deltanet_layers_never_asks_about_fla(monkeypatch):
+    """Asking whether FLA runs imports it and tilelang (seconds on a GPU machine): a reference of a model without
+    Gated DeltaNet layers does not ask, in either dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import any_tiny_config
+    from ulysses_train.train.verify import reference_model as reference_module
+
+    def asked(device):
+        raise AssertionError("fla_problem asked for a model without DeltaNet layers")
+    monkeypatch.setattr(reference_module, "fla_problem", asked)
+    config = any_tiny_config("qwen3")
+    weights = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    for dtype, is_truth in ((torch.float32, True), (torch.bfloat16, False)):
+        reference_module.reference_model(config, weights, dtype, torch.device("cpu"), is_truth=is_truth)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

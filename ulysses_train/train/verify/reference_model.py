@@ -109,7 +109,8 @@ def reference_model(model_config, weights: dict, dtype: torch.dtype, device: tor
             if not (quantized and type(param).__name__ == "Params4bit"):
                 param.copy_(base[name])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if is_truth or fla_problem(device) is not None:
+    # only a model with DeltaNet layers asks about FLA: importing it (and tilelang) takes seconds
+    if any(is_deltanet(m) for m in model.modules()) and (is_truth or fla_problem(device) is not None):
         use_torch_delta_rule(model)
     names = None
     if adapters is not None:

@@ -244,13 +244,15 @@ def _reference_for(trainer):
 
 
 @contextlib.contextmanager
-def stage(log: Callable[[str], None], what: str):
-    """Says what --verify does next and, when it is done, how long it took: a verify of a large model spends
-    minutes in its references, and a user should see which part the time goes to."""
+def stage(log: Callable[[str], None], what: str, seconds: dict, key: str):
+    """Says what --verify does next and, when it is done, how long it took (kept in `seconds[key]` for
+    verify.json): a verify of a large model spends minutes in its references, and a user should see which part the
+    time goes to."""
     log(f"verify: {what} ...")
     start = time.perf_counter()
     yield
-    log(f"verify: done in {time.perf_counter() - start:.1f} s")
+    seconds[key] = time.perf_counter() - start
+    log(f"verify: done in {seconds[key]:.1f} s")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -270,17 +272,17 @@ def run_verify(trainer) -> dict:
     import transformers
 
     cfg, rank = trainer.cfg, trainer.rank
-    start = time.perf_counter()
+    start, seconds = time.perf_counter(), {}
     with stage(trainer.log, "our step: forward and backward without the optimizer step, then the weights and "
-                            "gradients gathered to rank 0"):
+                            "gradients gathered to rank 0", seconds, "ours"):
         loss, weights, buffers, grads, batches = our_step(trainer, trainer.start_step)
-    ours_s = time.perf_counter() - start
     shared = [None]
     if rank == 0:
         truth = truth_dtype(trainer.dtype, trainer.layers)
         reference_step = _reference_for(trainer)
         extra = (trainer.adapters, trainer.cfg.base.model)
-        with stage(trainer.log, f"{_dtype_name(truth)} reference: {_reference_size(weights, truth)}"):
+        with stage(trainer.log, f"{_dtype_name(truth)} reference: {_reference_size(weights, truth)}", seconds,
+                   "truth_reference"):
             ref_loss, ref_grads, ref_buffers = reference_step(trainer.model_config, weights, batches, truth,
                                                               trainer.device, *extra, is_truth=True)
         ours, our_norm = relative_errors(loss, grads, ref_loss, ref_grads), grad_norm(grads)
@@ -288,7 +290,7 @@ def run_verify(trainer) -> dict:
         theirs = None
         if trainer.dtype != truth:  # its buffers are the ones ours must equal
             with stage(trainer.log, f"{_dtype_name(trainer.dtype)} reference (transformers' own error): "
-                                    f"{_reference_size(weights, trainer.dtype)}"):
+                                    f"{_reference_size(weights, trainer.dtype)}", seconds, "dtype_reference"):
                 t_loss, t_grads, ref_buffers = reference_step(trainer.model_config, weights, batches,
                                                               trainer.dtype, trainer.device, *extra)
             theirs = relative_errors(t_loss, t_grads, ref_loss, ref_grads)
@@ -309,7 +311,7 @@ def run_verify(trainer) -> dict:
                   "grad_norm": our_norm, "reference_grad_norm": grad_norm(ref_grads),
                   "ours": asdict(ours), "transformers": asdict(theirs) if theirs else None, "limits": lim,
                   "buffers": len(ref_buffers), "buffer_mismatches": bad_buffers,
-                  "seconds": {"ours": ours_s, "reference": time.perf_counter() - start - ours_s},
+                  "seconds": seconds | {"reference": time.perf_counter() - start - seconds["ours"]},
                   "failed": failed, "passed": not failed}
         print(format_report(result), flush=True)
         os.makedirs(verify_folder(cfg), exist_ok=True)
