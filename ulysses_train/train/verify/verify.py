@@ -263,7 +263,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _reference_size(weights: dict, dtype: torch.dtype) -> str:
     """The reference model's size in `dtype`: it is built on the host, then moved to the run's device."""
     count = sum(w.numel() for w in weights.values())
-    size = count * torch.empty((), dtype=dtype).element_size() / 2**30
+    size = count * dtype.itemsize / 2**30
     return f"plain transformers with {count / 1e6:,.1f}M parameters ({size:,.2f} GiB), forward and backward"
 
 
@@ -307,7 +307,7 @@ def run_verify(trainer) -> dict:
                   "transformers_version": transformers.__version__,
                   "peft_version": _peft_version() if trainer.adapters is not None else None,
                   "reference_attention": "SDPA" if supports_sdpa(trainer.model_config) else "eager",
-                  "loss": loss, "reference_loss": ref_loss, "truth": "fp64" if truth == torch.float64 else "fp32",
+                  "loss": loss, "reference_loss": ref_loss, "truth": _dtype_name(truth),
                   "grad_norm": our_norm, "reference_grad_norm": grad_norm(ref_grads),
                   "ours": asdict(ours), "transformers": asdict(theirs) if theirs else None, "limits": lim,
                   "buffers": len(ref_buffers), "buffer_mismatches": bad_buffers,
