@@ -29,7 +29,8 @@ setup(
                  "tensorboard", "triton; platform_system == 'Linux'", "wandb", "mlflow-skinny",
                  # the preference losses are checked against TRL's trainers' own loss code (internal: one minor)
                  "trl>=1.16,<1.17", "peft>=0.18",
-                 "hypothesis>=6.100"],  # the probe suite: tests/unit/test_probes.py
+                 "hypothesis>=6.100",  # the probe suite: tests/unit/test_probes.py
+                 "pytest-xdist>=3.6"],  # -n 2: two test modules at once fill the cores a launch leaves idle
         "lora": ["peft>=0.18"],  # --use_peft (PEFT's LoRA layers; 0.18 ties modules to save with the embeddings)
         "qlora": ["peft>=0.18", "bitsandbytes"],  # --load_in_4bit (CUDA)
         "track": ["tensorboard", "wandb", "mlflow-skinny"],  # --report_to

@@ -41,7 +41,7 @@ COVERED = {
         "tests/unit/test_rope.py::test_yarn_on_qwen3_4b_preset_reads_theta_and_length",
         "8 GPUs and downloads: YaRN for 131,072 tokens past Qwen3's 40,960, as this command sets it; SP over a "
         "--model folder is tests/distributed/test_train_e2e.py::test_local_model_folder's"),
-    "python3 -m pytest -q -m not slow tests": (
+    "python3 -m pytest -q -n 2 --dist loadfile -m not slow tests": (
         "tests/unit/test_readme_commands.py::test_the_quick_loop_leaves_out_every_slow_test",
         "collected as README.md says, in a process of its own"),
     "sbatch --nodes 2 --gpus-per-node 8 --time 24:00:00 launch/slurm/train_torchrun.sbatch --model Qwen/Qwen3-8B "
@@ -164,8 +164,9 @@ def _test_source(path: str, name: str) -> str:
 
 
 def test_the_test_command_is_cis():
-    assert "python3 -m pytest -q -rs tests" in _ci_commands()
-    assert ["python3", "-m", "pytest", "-q", "-rs", "tests"] in shell_commands(_readme())
+    command = "python3 -m pytest -q -rs -n 2 --dist loadfile tests"
+    assert command in _ci_commands()
+    assert command.split() in shell_commands(_readme())
 
 
 def test_the_quick_loop_leaves_out_every_slow_test():
