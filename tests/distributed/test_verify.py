@@ -129,13 +129,13 @@ def test_verify_command_line(tmp_path):
     assert "verdict: PASS" in out.stdout and "per-tensor grad, max" in out.stdout
     # each part says when it starts and how long it took, on rank 0 only
     stages = [line for line in out.stdout.splitlines() if line.startswith("verify: ") and line.endswith(("...", " s"))]
-    assert [s.split(":")[1].split()[0] for s in stages] == ["our", "done", "fp32", "done"], stages
+    assert [s.split(":")[1].split()[0] for s in stages] == ["our", "done", "fp32", "done", "comparing", "done"], stages
     with open(tmp_path / "verify" / "verify.json") as f:
         result = json.load(f)
     assert result["passed"] is True
     seconds = result["seconds"]  # an fp32 run: its truth is the only reference
-    assert set(seconds) == {"ours", "truth_reference", "reference"} and seconds["reference"] >= seconds[
-        "truth_reference"] > 0, seconds
+    assert set(seconds) == {"ours", "truth_reference", "compare", "reference"}, seconds
+    assert seconds["reference"] >= seconds["truth_reference"] + seconds["compare"] and seconds["compare"] > 0, seconds
     assert not (tmp_path / "metrics.jsonl").exists()  # a check, not a training run
     assert (tmp_path / "config.yaml").read_text() == "seq_len: 256\n"
     assert "verify: true" in (tmp_path / "verify" / "config.yaml").read_text()

@@ -133,4 +133,4 @@ def test_family_verifies_in_bf16_with_the_defaults(name, tmp_path):
     seconds = result["seconds"]
     print(f"{name}: verify passed, {seconds['ours']:.0f} s for our step and its gathers, "
           f"{seconds['reference']:.0f} s for the references (fp32 {seconds['truth_reference']:.0f} s, bf16 "
-          f"{seconds['dtype_reference']:.0f} s, the rest comparing)")
+          f"{seconds['dtype_reference']:.0f} s, comparing {seconds['compare']:.0f} s)")
