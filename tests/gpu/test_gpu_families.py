@@ -13,7 +13,9 @@ it is installed and takes the model's heads, else SDPA; the fused kernels; kept 
   weights and tokens, at 4,096 tokens, passes (docs/verify.md says what it holds the run to).
 
 Run side by side (`-n 4`), each launch first takes the GPU memory the planner gives its run (tests/gpu/gpu_share.py):
-the cases range from 12 to 36 GiB, and five of them at once do not fit an 80 GiB H100.
+the cases range from 12 to 36 GiB, and five of them at once do not fit an 80 GiB H100. Each test also records what
+it measured (steps, or the verify's setup, seconds by part and errors) as properties, which `--junitxml=FILE` keeps
+where pytest-xdist's workers swallow the printed lines.
 
 This is the test that would have caught OLMo 3's crash with the defaults (its fused rotary returned fp32 q and k
 beside a bf16 v) and Gemma 4's (global heads of 512, wider than FA4 takes): the CPU suite ran the families in fp32
@@ -103,7 +105,7 @@ def _skip_without_its_kernel(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_trains_two_steps_with_the_defaults(name, tmp_path):
+def test_family_trains_two_steps_with_the_defaults(name, tmp_path, record_property):
     _skip_without_its_kernel(name)
     flags = ["--model_config", family_config(name, tmp_path), "--steps", "2", "--lr", "1e-4", "--save_final", "false",
              "--ds_config", "ds_configs/zero3_bf16_states.json"]
@@ -113,12 +115,13 @@ def test_family_trains_two_steps_with_the_defaults(name, tmp_path):
     assert len(records) == 2, proc.stdout[-2000:]
     for r in records:
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
+    record_property("steps", json.dumps(records))
     print(f"{name}: " + "; ".join(f"step {r['step']} loss {r['loss']:.4f} {r['step_time_s']:.2f} s "
                                    f"{r['peak_mem_gib']:.1f} GiB" for r in records))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_verifies_in_bf16_with_the_defaults(name, tmp_path):
+def test_family_verifies_in_bf16_with_the_defaults(name, tmp_path, record_property):
     _skip_without_its_kernel(name)
     config = family_config(name, tmp_path)
     with gpu_share(verify_gib(["--model_config", config], int(VERIFY_SEQ_LEN)), name):
@@ -127,6 +130,8 @@ def test_family_verifies_in_bf16_with_the_defaults(name, tmp_path):
     report = tmp_path / "run" / "verify" / "verify.json"
     assert report.exists(), f"--verify wrote no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads(report.read_text())
+    for key in ("setup", "seconds", "ours", "transformers"):
+        record_property(key, json.dumps(result.get(key)))
     assert result["dtype"] == "bfloat16" and not result["buffer_mismatches"], result
     assert proc.returncode == (0 if result["passed"] else 1)
     assert result["passed"], proc.stdout[-3000:]
