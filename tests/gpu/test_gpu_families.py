@@ -112,10 +112,10 @@ def test_family_trains_two_steps_with_the_defaults(name, tmp_path, record_proper
     with gpu_share(planned_gib(flags, int(SEQ_LEN)), name):
         proc = run([sys.executable], flags + ["--seq_len", SEQ_LEN], tmp_path / "run")
     records = metrics(tmp_path / "run")
+    record_property("steps", json.dumps(records))  # before the checks: a failing run's steps are kept too
     assert len(records) == 2, proc.stdout[-2000:]
     for r in records:
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
-    record_property("steps", json.dumps(records))
     print(f"{name}: " + "; ".join(f"step {r['step']} loss {r['loss']:.4f} {r['step_time_s']:.2f} s "
                                    f"{r['peak_mem_gib']:.1f} GiB" for r in records))
 
