@@ -80,7 +80,7 @@ def squared_sums(ours: torch.Tensor, ref: torch.Tensor, device: torch.device) ->
     """|ours|^2, |ref|^2 and |ours - ref|^2 in fp64, in one pass a piece at a time on `device`. The gradients wait on
     the host in their own dtype (host_grad); widening and reducing them there took most of a large cut's --verify
     (about 60 s per billion parameters on an H100 machine's host: 169 s of GPT-OSS's 188 s of references at two
-    layers, 2.8B parameters); on the run's GPU it takes the copies' time."""
+    layers, 2.8B parameters); on the run's GPU what is left is mostly the copies (not yet timed there)."""
     ours, ref = ours.reshape(-1), ref.reshape(-1)
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for start in range(0, ref.numel(), PIECE):
