@@ -19,25 +19,35 @@ from ulysses_train.levers.policy import GiB, Levers  # noqa: E402
 from ulysses_train.model.geometry import geometry  # noqa: E402
 from ulysses_train.tools.plan import estimate  # noqa: E402
 
-print("| run | tokens | sp | layers | measured peak GiB | planner GiB | error |\n|---|---|---|---|---|---|---|")
-errors, unfitted, earlier_rows = [], [], []
-for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "results", "*.json"))):
-    r = json.load(open(path))
-    if "argv" not in r or r["levers"]["loss"] == "plain":  # not a step_bench result; the planner models the fused loss
-        continue
-    levers = Levers(**{"loss_kernel": "ours", **r["levers"]})  # runs from before --loss_kernel had ours
-    config = config_of(r)
-    est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
-    error = est / r["peak_gpu_gib"] - 1
-    earlier = earlier_kernels(r)
-    fitted = config.model_type in FITTED and not earlier
-    (errors if fitted else earlier_rows if earlier else unfitted).append(error)
-    note = " (earlier kernels)" if earlier else "" if fitted else " (not fitted)"
-    print(f"| {os.path.basename(path)[:-5]} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | {r['peak_gpu_gib']:.1f} | "
-          f"{est:.1f} | {100 * error:+.1f}%{note} |")
-for label, row, _, measured, plan in summary_rows(Constants()):
-    errors.append(plan.memory["gpu_total"] / GiB / measured - 1)
-    print(f"| {label} (summary) | {row['seq_len']:,} | 1 | {row['layers']} | {measured:.1f} | "
-          f"{plan.memory['gpu_total'] / GiB:.1f} | {100 * errors[-1]:+.1f}% |")
-print(f"\n{len(errors)} runs of the fitted families, largest error {100 * max(map(abs, errors)):.1f}%; "
-      f"{len(earlier_rows)} runs of earlier kernels; {len(unfitted)} runs of other families")
+
+def peaks():
+    """(name, run's result, measured peak GiB, the planner's GiB, kind) for every step_bench result in docs/results
+    and every summary row; kind: "fitted", "earlier kernels" or "not fitted"."""
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "results", "*.json"))):
+        r = json.load(open(path))
+        if "argv" not in r or r["levers"]["loss"] == "plain":  # not step_bench's; the planner models the fused loss
+            continue
+        levers = Levers(**{"loss_kernel": "ours", **r["levers"]})  # runs from before --loss_kernel had ours
+        config = config_of(r)
+        est = estimate(geometry(config), r["seq_len"], r["world"], r["sp"], levers)["gpu_total"] / GiB
+        kind = "earlier kernels" if earlier_kernels(r) else "fitted" if config.model_type in FITTED else "not fitted"
+        yield os.path.basename(path)[:-5], r, r["peak_gpu_gib"], est, kind
+    for label, row, _, measured, plan in summary_rows(Constants()):
+        yield f"{label} (summary)", dict(row, sp=1), measured, plan.memory["gpu_total"] / GiB, "fitted"
+
+
+def main():
+    print("| run | tokens | sp | layers | measured peak GiB | planner GiB | error |\n|---|---|---|---|---|---|---|")
+    errors = {"fitted": [], "earlier kernels": [], "not fitted": []}
+    for name, r, measured, est, kind in peaks():
+        errors[kind].append(est / measured - 1)
+        note = "" if kind == "fitted" else f" ({kind})"
+        print(f"| {name} | {r['seq_len']:,} | {r['sp']} | {r['layers']} | {measured:.1f} | {est:.1f} | "
+              f"{100 * errors[kind][-1]:+.1f}%{note} |")
+    print(f"\n{len(errors['fitted'])} runs of the fitted families, largest error "
+          f"{100 * max(map(abs, errors['fitted'])):.1f}%; {len(errors['earlier kernels'])} runs of earlier kernels; "
+          f"{len(errors['not fitted'])} runs of other families")
+
+
+if __name__ == "__main__":
+    main()

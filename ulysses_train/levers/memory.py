@@ -55,16 +55,14 @@ ATTENTION_TENSORS_MHA = 6.5
 # 64k and 131k on the H200, Gemma-3-4B at 131k and OLMo-3-7B at 16 layers and 131k on an H100: -5.0 to -6.2% at 5,
 # within 2% at 5.75): the allocator's rounding of such large blocks. Eager (6 tensors) the rows fit as counted.
 MLP_TENSORS_FUSED = 5.75
-# The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its peak in the backward, in tokens x (2 key + value)
-# and tokens x value tensors: the fused projection's output, the convolution's and its SiLU, and their gradients (6);
-# the gate z, the recurrence's output, its gated norm, and their gradients (6), counted by hand. With our fused
-# gated norm (--fused_kernels) the norm keeps its input and gate in bf16 and no fp32 copies of the value width (the
-# upcast input, the normalised values, silu(z), the product, and their gradients in the backward): measured on the
-# H200, Qwen3.5-9B with the offload peaks at 82.5 / 98.0 GiB at 64k / 131k tokens, the count at 6 gave 86.0 /
-# 103.0 (+4.3% / +5.1%), at 4 it gives +0.7% / -1.0% (docs/memory.md). Beside them the backward recomputes each
-# chunk's state (`deltanet_state_bytes`).
-LINEAR_ATTENTION_TENSORS = 6
-LINEAR_ATTENTION_TENSORS_FUSED = 4
+# The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its own peak in the backward, in tokens x (2 key +
+# value) tensors, beside the state of every chunk (`deltanet_state_bytes`). Counted by hand: the fused projection's
+# output, the convolution's and its SiLU, and their gradients (6); the gate z, the recurrence's output, its gated
+# norm, and their gradients (6); our fused gated norm keeps no fp32 copies of the value width (2 fewer). Measured
+# where nothing else sets the peak (Qwen3.5-9B at 8 layers and 131k on one H100, the MLP tiled and the rule's outputs
+# recomputed: 53.8 GiB) the fused mixer holds 2.5: fewer than counted, since the mixer no longer copies q, k and v.
+LINEAR_ATTENTION_TENSORS = 4.5
+LINEAR_ATTENTION_TENSORS_FUSED = 2.5
 
 
 def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
@@ -158,6 +156,25 @@ def deltanet_bytes(g: dict, t: int, b: int, fused: bool = False) -> float:
     return tensors + states
 
 
+def deltanet_saved_bytes(g: dict, t: int, b: int) -> int:
+    """What a recomputed Gated DeltaNet layer's mixer holds for its own backward while the layer's MLP runs its
+    backward first: FLA's q, k and v after the convolution (tokens x (2 key + value)). Beside an untiled MLP it sets
+    the layer's peak: measured on one H100, Qwen3.5-9B at 8 layers and 131k tokens, 59.4 GiB with the MLP whole,
+    53.8 with it tiled (docs/memory.md); 0 for a model without such layers."""
+    d = g["linear_attn"]
+    return t * d["conv_width"] * b if d else 0
+
+
+def linear_outputs_in_flight(g: dict, t: int, b: int, levers: Levers) -> int:
+    """Kept gated-delta-rule outputs that the offload holds on the host (`--linear_recompute never`) are on the GPU
+    again for the layer whose backward runs: one Gated DeltaNet layer's (1.0 GiB measured at 131k on Qwen3.5-9B,
+    1.5 counted)."""
+    if not (g["linear_attn"] and levers.keep_linear and levers.offload_activations and levers.checkpointing):
+        return 0
+    return max((kept_output_bytes(g, shape, t, b) for shape in g["layer_shapes"] if not shape.span.attention),
+               default=0)
+
+
 def projections_in_flight(g: dict, t: int, b: int, levers: Levers) -> int:
     """Kept projection outputs that the offload holds on the host (`--keep_projections`) are on the GPU again for
     the layer whose backward runs (returned into its recompute): one layer's, the largest."""
@@ -247,8 +264,10 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
     # with segments, the inputs the regenerating forward made for the segment's other layers, held at once
     regenerated = (min(levers.checkpoint_every, max(n_ckpt, 1)) - 1) * t * g["hidden"] * b if levers.checkpointing \
         else 0
-    layer = hidden_acts + max(attention, mlp, deltanet_bytes(g, t, b, levers.fused_kernels)) + regenerated \
-        + projections_in_flight(g, t, b, levers)
+    # a DeltaNet layer's MLP runs its backward with the mixer's saved q, k, v beside it; the mixer's own peak after
+    mixer = max(mlp + deltanet_saved_bytes(g, t, b), deltanet_bytes(g, t, b, levers.fused_kernels))
+    layer = hidden_acts + max(attention, mlp, mixer) + regenerated + projections_in_flight(g, t, b, levers) \
+        + linear_outputs_in_flight(g, t, b, levers)
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     if pairs:
         loss = preference_loss_bytes(g, t, loss_chunk, b)
