@@ -489,10 +489,9 @@ def test_the_plan_prints_where_the_checkpoints_are(capsys):
 
 def test_the_memory_estimate_against_every_measured_peak():
     """benchmarks/plan_vs_measured.py over docs/results (the table of docs/memory.md): every peak of the fitted
-    families within 5% of the planner's estimate for the levers it ran. Qwen3.5-9B at 8 layers and 131k on one H100
-    with the MLP tiled came out 8.5% over while the model had the DeltaNet mixer set the layer's peak with the MLP
-    whole: measured, the mixer's saved q, k, v beside the untiled MLP's backward do, and tiling the MLP leaves the
-    mixer's own, smaller peak."""
+    families within 5% of the planner's estimate for the levers it ran, Qwen3.5-9B at 8 layers and 131k on one H100
+    among them: with the MLP whole its DeltaNet layer peaks in the MLP's backward beside the mixer's saved q, k, v,
+    with the MLP tiled at the mixer's own, smaller peak."""
     from benchmarks.plan_vs_measured import peaks
 
     errors = {name: est / measured - 1 for name, _, measured, est, kind in peaks() if kind == "fitted"}

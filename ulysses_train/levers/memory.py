@@ -56,11 +56,10 @@ ATTENTION_TENSORS_MHA = 6.5
 # within 2% at 5.75): the allocator's rounding of such large blocks. Eager (6 tensors) the rows fit as counted.
 MLP_TENSORS_FUSED = 5.75
 # The recomputed Gated DeltaNet mixer (Qwen3.5, Qwen3-Next) at its own peak in the backward, in tokens x (2 key +
-# value) tensors, beside the state of every chunk (`deltanet_state_bytes`). Counted by hand: the fused projection's
-# output, the convolution's and its SiLU, and their gradients (6); the gate z, the recurrence's output, its gated
-# norm, and their gradients (6); our fused gated norm keeps no fp32 copies of the value width (2 fewer). Measured
-# where nothing else sets the peak (Qwen3.5-9B at 8 layers and 131k on one H100, the MLP tiled and the rule's outputs
-# recomputed: 53.8 GiB) the fused mixer holds 2.5: fewer than counted, since the mixer no longer copies q, k and v.
+# value) tensors, beside the state of every chunk (`deltanet_bytes`). With our fused gated norm: 2.5, fitted on the
+# one peak it sets (Qwen3.5-9B at 8 layers and 131k on one H100, the MLP tiled and the rule's outputs recomputed:
+# 53.8 GiB). Without it, 2 more for the fp32 copies of the value width that transformers' gated norm makes: counted,
+# not measured (no row runs it).
 LINEAR_ATTENTION_TENSORS = 4.5
 LINEAR_ATTENTION_TENSORS_FUSED = 2.5
 
@@ -160,7 +159,8 @@ def deltanet_saved_bytes(g: dict, t: int, b: int) -> int:
     """What a recomputed Gated DeltaNet layer's mixer holds for its own backward while the layer's MLP runs its
     backward first: FLA's q, k and v after the convolution (tokens x (2 key + value)). Beside an untiled MLP it sets
     the layer's peak: measured on one H100, Qwen3.5-9B at 8 layers and 131k tokens, 59.4 GiB with the MLP whole,
-    53.8 with it tiled (docs/memory.md); 0 for a model without such layers."""
+    53.8 with it tiled and the rule's outputs recomputed (1.0 GiB of the difference; docs/memory.md); 0 for a model
+    without such layers."""
     d = g["linear_attn"]
     return t * d["conv_width"] * b if d else 0
 
