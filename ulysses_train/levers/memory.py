@@ -165,22 +165,20 @@ def deltanet_saved_bytes(g: dict, t: int, b: int) -> int:
     return t * d["conv_width"] * b if d else 0
 
 
-def linear_outputs_in_flight(g: dict, t: int, b: int, levers: Levers) -> int:
-    """Kept gated-delta-rule outputs that the offload holds on the host (`--linear_recompute never`) are on the GPU
-    again for the layer whose backward runs: one Gated DeltaNet layer's (1.0 GiB measured at 131k on Qwen3.5-9B,
-    1.5 counted)."""
-    if not (g["linear_attn"] and levers.keep_linear and levers.offload_activations and levers.checkpointing):
+def kept_in_flight(g: dict, t: int, b: int, levers: Levers) -> int:
+    """What the offload holds on the host of one layer and returns to the GPU for that layer's backward (into its
+    recompute), the largest layer's: its kept projection outputs (`--keep_projections`) and, in a Gated DeltaNet
+    layer, the gated delta rule's kept outputs (`--linear_recompute never`: 1.0 GiB measured at 131k on
+    Qwen3.5-9B, 1.5 counted). Both come back for the same layer, so they add up per layer, not across layers."""
+    if not levers.offload_activations:
         return 0
-    return max((kept_output_bytes(g, shape, t, b) for shape in g["layer_shapes"] if not shape.span.attention),
-               default=0)
 
-
-def projections_in_flight(g: dict, t: int, b: int, levers: Levers) -> int:
-    """Kept projection outputs that the offload holds on the host (`--keep_projections`) are on the GPU again for
-    the layer whose backward runs (returned into its recompute): one layer's, the largest."""
-    if not (levers.keep_projections and levers.offload_activations):
-        return 0
-    return max(projection_bytes(g, shape, t, b) for shape in g["layer_shapes"])
+    def one_layer(shape) -> int:
+        kept = projection_bytes(g, shape, t, b) if levers.keep_projections else 0
+        if levers.keep_linear and levers.checkpointing and not shape.span.attention:
+            kept += kept_output_bytes(g, shape, t, b)
+        return kept
+    return max(one_layer(shape) for shape in g["layer_shapes"])
 
 
 def ring_bytes(g: dict, t: int, sp: int, ring: int, act_bytes: int) -> int:
@@ -266,8 +264,7 @@ def estimate(g: dict, seq_len: int, gpus: int, sp: int, levers: Levers, loss_chu
         else 0
     # a DeltaNet layer's MLP runs its backward with the mixer's saved q, k, v beside it; the mixer's own peak after
     mixer = max(mlp + deltanet_saved_bytes(g, t, b), deltanet_bytes(g, t, b, levers.fused_kernels))
-    layer = hidden_acts + max(attention, mlp, mixer) + regenerated + projections_in_flight(g, t, b, levers) \
-        + linear_outputs_in_flight(g, t, b, levers)
+    layer = hidden_acts + max(attention, mlp, mixer) + regenerated + kept_in_flight(g, t, b, levers)
     loss = loss_bytes(g, t, levers.loss_kernel, loss_chunk, b)
     if pairs:
         loss = preference_loss_bytes(g, t, loss_chunk, b)
