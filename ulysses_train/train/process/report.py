@@ -9,11 +9,14 @@ heard it. A rank that hears nothing within WAIT_S (rank 0 did not stop, or is go
 Having heard, the other ranks let rank 0 leave first (until the store it holds goes, at most LEAVE_WAIT_S): a
 launcher reports the exit code of the first rank to leave and ends the rest, and a rank 1 that left first had
 rank 0 ended mid-exit by a signal (1 settings error in 4, under the test that launches ranks as DeepSpeed does).
+They watch for the store going with plain TCP connections, not the store's client: c10d's client logs each failed
+request with a C++ stack trace on stderr, which would follow rank 0's one line on every other rank.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -27,13 +30,18 @@ def _key(what: str) -> str:
     return f"ulysses/report/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}"
 
 
+def _address() -> tuple[str, int]:
+    """The rendezvous store's host and port (KeyError, ValueError when the launcher set none)."""
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
 def _store(rank: int):
     """A client of the rendezvous store, or on rank 0 before any process group its server; None if neither can
     be had (then every rank speaks for itself)."""
     import torch.distributed as dist
 
     try:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        host, port = _address()
         serve = (rank == 0 and not dist.is_initialized()
                  and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")  # torchrun's agent has it
         return dist.TCPStore(host, port, is_master=serve, timeout=timedelta(seconds=WAIT_S),
@@ -59,7 +67,7 @@ def report_once(message: str, rank: int, world: int, stream=None) -> None:
         try:
             store.wait([_key("printed")], timedelta(seconds=WAIT_S))
             store.add(_key("heard"), 1)
-            _let_rank0_leave_first(store)
+            _let_rank0_leave_first(*_address())
             return
         except Exception:  # noqa: BLE001 - rank 0 did not say it in time, or is gone: say it here
             pass
@@ -76,14 +84,15 @@ def _tell_and_wait(store, world: int) -> None:
         pass
 
 
-def _let_rank0_leave_first(store) -> None:
-    """Returns once the store stops answering (rank 0, which holds it under DeepSpeed's launcher and before any
-    process group, has left) or after LEAVE_WAIT_S (a store held elsewhere, torchrun's agent: there the launcher
+def _let_rank0_leave_first(host: str, port: int) -> None:
+    """Returns once the store stops taking connections (rank 0, which holds it under DeepSpeed's launcher and before
+    any process group, has left) or after LEAVE_WAIT_S (a store held elsewhere, torchrun's agent: there the launcher
     ends this rank as soon as rank 0 has left)."""
     end = time.monotonic() + LEAVE_WAIT_S
-    try:
-        while time.monotonic() < end:
-            store.add(_key("heard"), 0)
-            time.sleep(0.02)
-    except Exception:  # noqa: BLE001 - the store went with rank 0
-        pass
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, end - time.monotonic()))):
+                pass
+        except OSError:  # refused, reset or unreachable: the store went with rank 0
+            return
+        time.sleep(0.02)
